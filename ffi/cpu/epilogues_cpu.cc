@@ -1,0 +1,62 @@
+// CPU handlers: the same Plan as the CUDA kernel, walked token by token in order (so among
+// tokens that share a slot, the last one's entry stays, as in the jnp reference).
+#include <cstring>
+
+#include "jax_kimi_mla/ffi_plan.h"
+
+namespace jax_kimi_mla {
+namespace {
+
+void write_ds_mla_entry(const Epilogue& e, int64_t t, int64_t row, const float* rope_row) {
+  uint8_t* entry = ds_mla_entry(e, row);
+  for (int tile = 0; tile < kLatent / kDsMlaTile; ++tile) {
+    float v[kTileChunks][kChunk];
+    float amax = 0.0f;
+    for (int c = 0; c < kTileChunks; ++c) {
+      chunk_values(e, e.cache, t, 0, tile * kTileChunks + c, nullptr, v[c]);
+      for (float x : v[c]) amax = amax_fold(amax, x);
+    }
+    const float s = ds_mla_tile_scale(amax);
+    for (int c = 0; c < kTileChunks; ++c) store_ds_mla_latent(entry, tile * kTileChunks + c, v[c], s);
+    store_ds_mla_scale(entry, tile, s);
+  }
+  for (int j = 0; j < kRopeChunks; ++j) store_ds_mla_pe(e, entry, t, j, rope_row);
+}
+
+void run(const Plan& plan) {
+  for (int i = 0; i < plan.num_copies; ++i)
+    std::memcpy(plan.copies[i].dst, plan.copies[i].src, plan.copies[i].bytes);
+  const Epilogue& e = plan.e;
+  for (int64_t t = 0; t < e.tokens; ++t) {
+    const float* rope_row = e.rope_row(t);
+    const int64_t row = e.cache_row(t);
+    if (row >= 0 && e.cache_format == CacheFormat::kDsMla) {
+      write_ds_mla_entry(e, t, row, rope_row);
+    } else if (row >= 0) {
+      for (int c = 0; c < kCacheChunks; ++c) emit_chunk(e, e.cache, t, 0, c, row * e.cache.out_t, rope_row);
+    }
+    for (int64_t h = 0; h < e.heads; ++h)
+      for (int r = 0; r < e.num_head_rows; ++r) {
+        const RowSpec& spec = e.head_rows[r];
+        for (int c = 0; c < spec.chunks(); ++c)
+          emit_chunk(e, spec, t, h, c, t * spec.out_t + h * spec.out_h, rope_row);
+      }
+  }
+}
+
+template <Op op>
+ffi::Error handler(ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  Plan plan;
+  if (ffi::Error err = make_plan(op, args, rets, plan); err.failure()) return err;
+  run(plan);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_kimi_mla
+
+#define JKM_CPU_HANDLER(name)                                                       \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(jkm_cpu_##name,                                     \
+                                jax_kimi_mla::handler<jax_kimi_mla::Op::name>,      \
+                                xla::ffi::Ffi::Bind().RemainingArgs().RemainingRets());
+JKM_FOR_EACH_OP(JKM_CPU_HANDLER)

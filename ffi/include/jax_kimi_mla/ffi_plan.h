@@ -1,0 +1,236 @@
+// From XLA FFI buffers to an Epilogue: the one place that knows each op's operand order, checks
+// what the handler is given, and describes the rows it writes. Shared by the CPU and CUDA
+// handlers (host code only). The Python wrappers check arguments first and explain errors to the
+// user; these checks make a malformed direct call fail instead of touching foreign memory.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "jax_kimi_mla/epilogue.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_kimi_mla {
+
+namespace ffi = xla::ffi;
+
+// The FFI targets, one per kernel. Python's _ffi.OPS lists the same names in the same order.
+#define JKM_FOR_EACH_OP(X) \
+  X(prefill_kv_cache)      \
+  X(prefill_ds_mla)        \
+  X(prefill_fp8)           \
+  X(decode_kv_cache)       \
+  X(decode_fp8)            \
+  X(decode_ds_mla)
+
+enum class Op {
+#define JKM_OP_ENUM(name) name,
+  JKM_FOR_EACH_OP(JKM_OP_ENUM)
+#undef JKM_OP_ENUM
+};
+
+// An output that XLA did not alias to its input starts as a copy of the input.
+struct Copy {
+  const void* src;
+  void* dst;
+  size_t bytes;
+};
+
+struct Plan {
+  Epilogue e;
+  Copy copies[2];
+  int num_copies = 0;
+
+  void copy_unless_aliased(const ffi::AnyBuffer& in, const ffi::AnyBuffer& out) {
+    if (in.untyped_data() != out.untyped_data() && in.size_bytes() > 0)
+      copies[num_copies++] = {in.untyped_data(), out.untyped_data(), in.size_bytes()};
+  }
+  int64_t lanes_per_token() const {  // CUDA: one thread per chunk, padded to whole ds_mla tiles
+    int64_t lanes = kCacheChunks + e.heads * e.head_chunks();
+    return (lanes + kTileChunks - 1) / kTileChunks * kTileChunks;
+  }
+};
+
+namespace detail {
+
+// Collects the first failed check; later checks are skipped.
+class Checker {
+ public:
+  bool ok() const { return message_.empty(); }
+  ffi::Error error() const { return ffi::Error::InvalidArgument("jax_kimi_mla: " + message_); }
+  void expect(bool condition, const char* what) {
+    if (ok() && !condition) message_ = what;
+  }
+  void dims(const ffi::AnyBuffer& b, std::vector<int64_t> want, const char* what) {
+    auto d = b.dimensions();
+    bool same = d.size() == want.size();
+    for (size_t i = 0; same && i < want.size(); ++i) same = d[i] == want[i];
+    expect(same, what);
+  }
+
+ private:
+  std::string message_;
+};
+
+inline bool is_act(ffi::DataType t) { return t == ffi::DataType::BF16 || t == ffi::DataType::F16; }
+inline bool is_index(ffi::DataType t) { return t == ffi::DataType::S32 || t == ffi::DataType::S64; }
+inline const uint16_t* act_ptr(const ffi::AnyBuffer& b) {
+  return static_cast<const uint16_t*>(b.untyped_data());
+}
+
+}  // namespace detail
+
+// Operand order (Python's _ffi passes the same):
+//   prefill:  q, k_nope, k_pe, kv_c_normed, [v], kv_cache, slot_mapping, positions, cos_sin_cache,
+//             [q_scale_inv, k_scale_inv, v_scale_inv, cache_scale_inv]  -> k | q_fp8, q | k_fp8,
+//             [v_fp8], kv_cache
+//   decode:   ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, positions, cos_sin_cache,
+//             [q_scale_inv, cache_scale_inv]  -> mqa_q, kv_cache
+// Without RoPE, positions and cos_sin_cache are empty arrays; prefill's q and q_out are empty
+// too for the bf16 and ds_mla caches (q comes back unchanged and is never read).
+inline ffi::Error make_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets rets, Plan& plan) {
+  const bool prefill = op == Op::prefill_kv_cache || op == Op::prefill_ds_mla || op == Op::prefill_fp8;
+  const bool fp8_prefill = op == Op::prefill_fp8;
+  const size_t num_in = 8 + (fp8_prefill ? 5 : 0) + (op == Op::decode_fp8 ? 2 : 0);
+  const size_t num_out = fp8_prefill ? 4 : (prefill ? 3 : 2);
+  if (args.size() != num_in || rets.size() != num_out)
+    return ffi::Error::InvalidArgument("jax_kimi_mla: wrong number of operands");
+
+  std::vector<ffi::AnyBuffer> in, out;
+  for (size_t i = 0; i < num_in; ++i) {
+    auto b = args.get<ffi::AnyBuffer>(i);
+    if (!b.has_value()) return b.error();
+    in.push_back(*b);
+  }
+  for (size_t i = 0; i < num_out; ++i) {
+    auto b = rets.get<ffi::AnyBuffer>(i);
+    if (!b.has_value()) return b.error();
+    out.push_back(**b);
+  }
+
+  size_t next = 4;
+  const ffi::AnyBuffer &a = in[0], &b = in[1], &k_pe = in[2], &kv_c = in[3];
+  const ffi::AnyBuffer* v = fp8_prefill ? &in[next++] : nullptr;
+  const ffi::AnyBuffer &cache = in[next], &slots = in[next + 1], &positions = in[next + 2],
+                       &cos_sin = in[next + 3];
+  const ffi::AnyBuffer* scales = num_in > next + 4 ? &in[next + 4] : nullptr;
+  const ffi::AnyBuffer& cache_out = out.back();
+
+  detail::Checker ck;
+  const ffi::DataType act = kv_c.element_type();
+  ck.expect(detail::is_act(act), "kv_c_normed must be bfloat16 or float16");
+  ck.expect(kv_c.dimensions().size() == 2, "kv_c_normed must be [T, 512]");
+  if (!ck.ok()) return ck.error();
+  const int64_t T = kv_c.dimensions()[0];
+  const ffi::AnyBuffer& per_head = prefill ? b : a;  // k_nope or ql_nope: [T, H, width]
+  ck.expect(per_head.dimensions().size() == 3, "k_nope / ql_nope must be [T, H, width]");
+  if (!ck.ok()) return ck.error();
+  const int64_t H = per_head.dimensions()[1];
+  const bool rope = cos_sin.element_count() > 0;
+
+  ck.dims(kv_c, {T, kLatent}, "kv_c_normed must be [T, 512]");
+  ck.expect(k_pe.element_type() == act && k_pe.element_count() == size_t(T * kRope),
+            "k_pe must be [T, 64] or [T, 1, 64] in the activation dtype");
+  ck.expect(detail::is_index(slots.element_type()) && slots.element_count() == size_t(T),
+            "slot_mapping must be int32/int64 [T]");
+  if (rope) {
+    auto d = cos_sin.dimensions();
+    ck.expect(cos_sin.element_type() == ffi::DataType::F32 && d.size() == 2 && d[1] == kRope,
+              "cos_sin_cache must be float32 [max_position, 64]");
+    ck.expect(detail::is_index(positions.element_type()) && positions.element_count() == size_t(T),
+              "positions must be int32/int64 [T]");
+  }
+  for (size_t i = 0; scales != nullptr && i < num_in - (next + 4); ++i)
+    ck.expect(scales[i].element_type() == ffi::DataType::F32 && scales[i].element_count() == 1,
+              "scale_inv arguments must be float32 with one element");
+
+  const ffi::DataType cache_type = (op == Op::prefill_ds_mla || op == Op::decode_ds_mla)
+                                       ? ffi::DataType::U8
+                                       : (op == Op::prefill_fp8 || op == Op::decode_fp8)
+                                             ? ffi::DataType::F8E4M3FN
+                                             : act;
+  const int64_t entry = cache_type == ffi::DataType::U8 ? kDsMlaEntryBytes : kEntry;
+  ck.expect(cache.element_type() == cache_type && cache.dimensions().size() == 3 &&
+                cache.dimensions()[2] == entry,
+            "kv_cache has the wrong dtype or entry width for this op");
+  ck.expect(cache_out.element_type() == cache_type && cache_out.size_bytes() == cache.size_bytes(),
+            "the output cache must match the input cache");
+  if (!ck.ok()) return ck.error();
+
+  Epilogue& e = plan.e;
+  e.act = act == ffi::DataType::BF16 ? ActType::kBF16 : ActType::kF16;
+  e.tokens = T;
+  e.heads = H;
+  e.slots = slots.untyped_data();
+  e.slots_int64 = slots.element_type() == ffi::DataType::S64;
+  if (rope) {
+    e.positions = positions.untyped_data();
+    e.positions_int64 = positions.element_type() == ffi::DataType::S64;
+    e.cos_sin = static_cast<const float*>(cos_sin.untyped_data());
+    e.max_position = cos_sin.dimensions()[0];
+    ck.expect(e.max_position > 0, "cos_sin_cache must have at least one row");
+  }
+  e.cache_format = cache_type == ffi::DataType::U8             ? CacheFormat::kDsMla
+                   : cache_type == ffi::DataType::F8E4M3FN ? CacheFormat::kFp8
+                                                             : CacheFormat::kAct;
+  e.cache_rows = cache.dimensions()[0] * cache.dimensions()[1];
+  e.cache = {detail::act_ptr(kv_c), kLatent, 0, kLatent / kChunk,
+             detail::act_ptr(k_pe), kRope,   0, kRopeChunks,
+             cache_out.untyped_data(), entry, 0, nullptr};
+  plan.copy_unless_aliased(cache, cache_out);
+
+  auto input = [&](const ffi::AnyBuffer& x, int64_t width, const char* what) {
+    ck.expect(x.element_type() == act && x.element_count() == size_t(T * H * width), what);
+    return detail::act_ptr(x);
+  };
+  auto output = [&](const ffi::AnyBuffer& x, ffi::DataType type, int64_t width) {
+    ck.expect(x.element_type() == type && x.element_count() == size_t(T * H * width),
+              "an output has the wrong dtype or shape");
+    return x.untyped_data();
+  };
+  const auto* k_pe_p = detail::act_ptr(k_pe);
+  const auto scale = [&](int i) { return static_cast<const float*>(scales[i].untyped_data()); };
+  RowSpec* rows = e.head_rows;
+  if (op == Op::prefill_kv_cache || op == Op::prefill_ds_mla) {
+    const auto* k_nope = input(b, kNope, "k_nope must be [T, H, 128]");
+    rows[e.num_head_rows++] = {k_nope, H * kNope, kNope, kNope / kChunk, k_pe_p, kRope, 0,
+                               kRopeChunks, output(out[0], act, kQkHead), H * kQkHead, kQkHead};
+    if (rope) {  // q[..., 128:] rotated in place
+      const auto* q = input(a, kQkHead, "q must be [T, H, 192]");
+      auto* q_out = static_cast<uint16_t*>(output(out[1], act, kQkHead));
+      rows[e.num_head_rows++] = {nullptr, 0, 0, 0, q + kNope, H * kQkHead, kQkHead, kRopeChunks,
+                                 q_out + kNope, H * kQkHead, kQkHead};
+      plan.copy_unless_aliased(a, out[1]);
+    } else {
+      ck.expect(a.element_count() == 0 && out[1].element_count() == 0,
+                "without RoPE, q is not passed to the handler");
+    }
+  } else if (fp8_prefill) {
+    const auto* q = input(a, kQkHead, "q must be [T, H, 192]");
+    const auto* k_nope = input(b, kNope, "k_nope must be [T, H, 128]");
+    const auto* v_p = input(*v, kVHead, "v must be [T, H, 128]");
+    const ffi::DataType f8 = ffi::DataType::F8E4M3FN;
+    rows[e.num_head_rows++] = {q, H * kQkHead, kQkHead, kNope / kChunk, q + kNope, H * kQkHead,
+                               kQkHead, kRopeChunks, output(out[0], f8, kQkHead), H * kQkHead,
+                               kQkHead, scale(0)};
+    rows[e.num_head_rows++] = {k_nope, H * kNope, kNope, kNope / kChunk, k_pe_p, kRope, 0,
+                               kRopeChunks, output(out[1], f8, kQkHead), H * kQkHead, kQkHead,
+                               scale(1)};
+    rows[e.num_head_rows++] = {v_p, H * kVHead, kVHead, kVHead / kChunk, nullptr, 0, 0, 0,
+                               output(out[2], f8, kVHead), H * kVHead, kVHead, scale(2)};
+    e.cache.scale_inv = scale(3);
+  } else {
+    const auto* ql_nope = input(a, kLatent, "ql_nope must be [B, H, 512]");
+    const auto* q_pe = input(b, kRope, "q_pe must be [B, H, 64]");
+    const bool fp8 = op == Op::decode_fp8;
+    rows[e.num_head_rows++] = {ql_nope, H * kLatent, kLatent, kLatent / kChunk, q_pe, H * kRope,
+                               kRope, kRopeChunks,
+                               output(out[0], fp8 ? ffi::DataType::F8E4M3FN : act, kEntry),
+                               H * kEntry, kEntry, fp8 ? scale(0) : nullptr};
+    if (fp8) e.cache.scale_inv = scale(1);
+  }
+  if (!ck.ok()) return ck.error();
+  return ffi::Error::Success();
+}
+
+}  // namespace jax_kimi_mla

@@ -1,0 +1,182 @@
+// The numerics of the epilogues, written once for host (CPU handlers) and device (CUDA kernels).
+//
+// Every conversion here is integer bit arithmetic or a single IEEE operation, so the CPU and the
+// GPU produce bit-identical results, NaN payloads included. The one exception is the E4M3 pair
+// converter on the GPU (a hardware instruction); e4m3_encode() documents why it agrees.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#include <cuda_fp8.h>
+#define JKM_HD __host__ __device__ __forceinline__
+#else
+#define JKM_HD inline
+#endif
+
+namespace jax_kimi_mla {
+
+// Fixed Kimi-K3 MLA dimensions (spec: "Fixed dimensions").
+inline constexpr int kLatent = 512;       // kv_lora_rank L
+inline constexpr int kNope = 128;         // qk_nope_head_dim P
+inline constexpr int kRope = 64;          // qk_rope_head_dim R
+inline constexpr int kQkHead = kNope + kRope;  // 192
+inline constexpr int kVHead = 128;
+inline constexpr int kEntry = kLatent + kRope;  // 576: plain cache entry, decode mqa_q row
+inline constexpr int kDsMlaEntryBytes = 656;
+inline constexpr int kDsMlaTile = 128;              // elements per ds_mla scale tile
+inline constexpr int kDsMlaScaleOffset = kLatent;   // 4 float32 scales at byte 512
+inline constexpr int kDsMlaPeOffset = kLatent + 16; // 64 bf16 at byte 528
+inline constexpr float kE4m3Max = 448.0f;
+
+JKM_HD uint32_t f32_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+JKM_HD float f32_from_bits(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+// Products that must stay rounded products: the compiler may not fuse them into an FMA.
+JKM_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;  // host code is compiled with -ffp-contract=off
+#endif
+}
+
+JKM_HD float fma_rn(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+// ---- 16-bit floats: exact widening, round-to-nearest-even narrowing, NaN kept quiet ----
+
+JKM_HD float bf16_to_f32(uint16_t h) { return f32_from_bits(uint32_t(h) << 16); }
+
+JKM_HD uint16_t f32_to_bf16(float f) {
+  uint32_t x = f32_bits(f);
+  if ((x & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((x >> 16) | 0x0040u);
+  return uint16_t((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
+}
+
+JKM_HD float f16_to_f32(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+  if (exp == 0x1Fu) return f32_from_bits(sign | 0x7F800000u | (mant << 13));
+  if (exp == 0) {  // zero or subnormal: mant * 2^-24 is exact in float32
+    float mag = float(mant) * 5.9604644775390625e-8f;
+    return f32_from_bits(sign | f32_bits(mag));
+  }
+  return f32_from_bits(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+// Keeps the low `shift` bits' rounding: round-to-nearest-even of m / 2^shift, 0 < shift < 32.
+JKM_HD uint32_t shift_right_rne(uint32_t m, uint32_t shift) {
+  uint32_t q = m >> shift, rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+  return q + ((rem > half || (rem == half && (q & 1u))) ? 1u : 0u);
+}
+
+JKM_HD uint16_t f32_to_f16(float f) {
+  uint32_t x = f32_bits(f);
+  uint16_t sign = uint16_t((x >> 16) & 0x8000u);
+  uint32_t a = x & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return uint16_t(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
+  if (a >= 0x477FF000u) return uint16_t(sign | 0x7C00u);  // >= 65520 rounds to inf
+  if (a >= 0x38800000u) {                                 // normal half (>= 2^-14)
+    uint32_t r = a + 0xFFFu + ((a >> 13) & 1u);
+    return uint16_t(sign | ((r >> 13) - (112u << 10)));
+  }
+  uint32_t shift = 126u - (a >> 23);  // subnormal half: round(mantissa * 2^(e-126))
+  if (shift > 24u) return sign;
+  return uint16_t(sign | shift_right_rne((a & 0x7FFFFFu) | 0x800000u, shift));
+}
+
+// ---- E4M3 (float8_e4m3fn): round-to-nearest-even, saturate to +-448, NaN stays NaN ----
+
+// The reference encoder. Clamping first and rounding second (the spec's order) equals rounding
+// first and saturating second, because every value above 448 rounds to 448 or overflows.
+JKM_HD uint8_t e4m3_encode_soft(float f) {
+  uint32_t x = f32_bits(f);
+  uint8_t sign = uint8_t((x >> 24) & 0x80u);
+  uint32_t a = x & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return uint8_t(sign | 0x7Fu);
+  if (a >= 0x43E00000u) return uint8_t(sign | 0x7Eu);  // |x| >= 448, inf included
+  if (a >= 0x3C800000u) {                              // normal e4m3 (>= 2^-6)
+    uint32_t r = a + 0x7FFFFu + ((a >> 20) & 1u);
+    return uint8_t(sign | ((r >> 20) - (120u << 3)));  // below 448, so at most 0x7E
+  }
+  uint32_t shift = 141u - (a >> 23);  // subnormal e4m3: round(|x| * 2^9)
+  if (shift > 24u) return sign;
+  return uint8_t(sign | shift_right_rne((a & 0x7FFFFFu) | 0x800000u, shift));
+}
+
+// Quantizes two floats that were already multiplied by the scale inverse. On the GPU the
+// hardware pair converter (cvt.rn.satfinite.e4m3x2.f32) rounds and saturates exactly as the
+// reference encoder does; only its NaN code differs, so NaN lanes take the reference's code.
+JKM_HD uint16_t e4m3_encode_pair(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint16_t pair = __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
+  if (lo != lo) pair = uint16_t((pair & 0xFF00u) | e4m3_encode_soft(lo));
+  if (hi != hi) pair = uint16_t((pair & 0x00FFu) | (uint16_t(e4m3_encode_soft(hi)) << 8));
+  return pair;
+#else
+  return uint16_t(e4m3_encode_soft(lo) | (uint16_t(e4m3_encode_soft(hi)) << 8));
+#endif
+}
+
+// ---- RoPE, GPT-J style: pair (x0, x1) rotated by (c, s) ----
+// One fixed sequence of float32 operations (an FMA over a rounded product) on both sides.
+JKM_HD void rope_pair(float x0, float x1, float c, float s, float& y0, float& y1) {
+  y0 = fma_rn(x0, c, -mul_rn(x1, s));
+  y1 = fma_rn(x0, s, mul_rn(x1, c));
+}
+
+// ---- fp8_ds_mla tile scale: the smallest power of two >= max(amax / 448, 1e-4) ----
+// Rounded up from the float32 bits (no log2f), so the quotient (x / s) is exact.
+JKM_HD float ds_mla_tile_scale(float amax) {
+  float r = amax / kE4m3Max;
+  r = r > 1e-4f ? r : 1e-4f;
+  uint32_t b = f32_bits(r);
+  if ((b & 0x7FFFFFu) != 0 && b < 0x7F800000u) b = (b & 0xFF800000u) + 0x800000u;
+  return f32_from_bits(b);
+}
+
+// |x| folded into a running maximum; NaN is ignored (fmaxf returns the non-NaN operand).
+JKM_HD float amax_fold(float amax, float x) { return fmaxf(amax, fabsf(x)); }
+
+// ---- Bounds: what an index may address ----
+
+// A cache row is written only for 0 <= slot < num_rows (negative = padding, too large = skip).
+JKM_HD bool slot_is_valid(int64_t slot, int64_t num_rows) { return slot >= 0 && slot < num_rows; }
+
+// Positions are clamped into [0, max_position), as a JAX gather clamps.
+JKM_HD int64_t clamp_position(int64_t pos, int64_t max_position) {
+  return pos < 0 ? 0 : (pos >= max_position ? max_position - 1 : pos);
+}
+
+// slot_mapping and positions may be int32 or int64.
+JKM_HD int64_t load_index(const void* base, bool is_int64, int64_t i) {
+  return is_int64 ? static_cast<const int64_t*>(base)[i]
+                  : int64_t(static_cast<const int32_t*>(base)[i]);
+}
+
+}  // namespace jax_kimi_mla

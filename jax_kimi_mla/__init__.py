@@ -1,0 +1,23 @@
+"""Fused Kimi-K3 MLA prefill/decode epilogues for JAX, as XLA FFI custom calls (CPU and CUDA)."""
+
+from . import reference
+from ._ffi import ABI_VERSION, HAS_CUDA_MODULE
+from .numerics import ds_mla_dequantize, make_cos_sin_cache
+from .ops import (
+    fused_mla_decode_q_concat_kv_cache_insert,
+    fused_mla_key_concat_ds_mla_insert,
+    fused_mla_key_concat_kv_cache_insert,
+    fused_mla_qkv_quant_kv_cache_fp8_insert,
+)
+
+__all__ = [
+    "ABI_VERSION",
+    "HAS_CUDA_MODULE",
+    "ds_mla_dequantize",
+    "fused_mla_decode_q_concat_kv_cache_insert",
+    "fused_mla_key_concat_ds_mla_insert",
+    "fused_mla_key_concat_kv_cache_insert",
+    "fused_mla_qkv_quant_kv_cache_fp8_insert",
+    "make_cos_sin_cache",
+    "reference",
+]

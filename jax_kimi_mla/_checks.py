@@ -1,0 +1,205 @@
+"""Argument checks shared by the FFI ops and the jnp reference.
+
+Everything here runs on shapes and dtypes only, so errors are raised at trace time, before any
+kernel runs. Each message names the argument, what was expected and what was passed. Dtype
+problems raise TypeError, shape and combination problems raise ValueError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+L, P, R, V = 512, 128, 64, 128  # kv_lora_rank, qk_nope, qk_rope, v_head
+ENTRY = L + R  # 576
+DS_MLA_ENTRY_BYTES = 656
+
+ACT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+INDEX_DTYPES = (jnp.dtype(jnp.int32), jnp.dtype(jnp.int64))
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+UINT8 = jnp.dtype(jnp.uint8)
+F32 = jnp.dtype(jnp.float32)
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What the checks learned: token count, head count, activation dtype, RoPE on/off."""
+
+    tokens: int
+    heads: int
+    act: jnp.dtype
+    rope: bool
+
+
+def as_array(name: str, x):
+    if x is None:
+        raise TypeError(f"{name} is required, got None")
+    if isinstance(x, (jax.Array, np.ndarray)) or hasattr(x, "aval"):
+        return x
+    try:
+        return jnp.asarray(x)
+    except TypeError as e:
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}") from e
+
+
+def _names(dtypes) -> str:
+    return " or ".join(str(jnp.dtype(d)) for d in dtypes)
+
+
+def expect_dtype(name: str, x, allowed) -> None:
+    if jnp.dtype(x.dtype) not in tuple(jnp.dtype(d) for d in allowed):
+        raise TypeError(f"{name} must have dtype {_names(allowed)}, got {x.dtype}")
+
+
+def expect_shape(name: str, x, want: tuple, what: str) -> None:
+    """``want`` holds ints, or None for a free dimension; ``what`` spells the expected shape."""
+    shape = tuple(x.shape)
+    if len(shape) != len(want) or any(w is not None and s != w for s, w in zip(shape, want)):
+        raise ValueError(f"{name} must be {what}, got shape {shape}")
+
+
+class _Checker:
+    """Checks one call: the first per-head input fixes T, H and the activation dtype."""
+
+    def __init__(self, first_name: str, first, width: int):
+        x = as_array(first_name, first)
+        expect_dtype(first_name, x, ACT_DTYPES)
+        expect_shape(first_name, x, (None, None, width), f"[T, H, {width}]")
+        self.tokens, self.heads = int(x.shape[0]), int(x.shape[1])
+        self.act = jnp.dtype(x.dtype)
+        self.first_name = first_name
+
+    def _tokens_match(self, name: str, x) -> None:
+        if x.ndim >= 1 and x.shape[0] != self.tokens:
+            raise ValueError(
+                f"mismatched T: {name} has {x.shape[0]} tokens but {self.first_name} has {self.tokens} "
+                f"(shape {tuple(x.shape)})"
+            )
+
+    def activation(self, name: str, x, tail: tuple, what: str, per_head: bool):
+        x = as_array(name, x)
+        if jnp.dtype(x.dtype) != self.act:
+            raise TypeError(
+                f"{name} must have the activation dtype {self.act} (that of {self.first_name}), got {x.dtype}"
+            )
+        self._tokens_match(name, x)
+        if per_head and x.ndim == 3 and x.shape[1] != self.heads:
+            raise ValueError(
+                f"mismatched H: {name} has {x.shape[1]} heads but {self.first_name} has {self.heads} "
+                f"(shape {tuple(x.shape)})"
+            )
+        expect_shape(name, x, (self.tokens, *tail), what)
+        return x
+
+    def per_head(self, name: str, x, width: int):
+        return self.activation(name, x, (self.heads, width), f"[T, H, {width}] = [{self.tokens}, {self.heads}, {width}]", True)
+
+    def latent(self, name: str, x):
+        return self.activation(name, x, (L,), f"[T, {L}] = [{self.tokens}, {L}]", False)
+
+    def k_pe(self, x):
+        x = as_array("k_pe", x)
+        if x.ndim == 3:
+            return self.activation("k_pe", x, (1, R), f"[T, 64] or [T, 1, 64] with T = {self.tokens}", False)
+        return self.activation("k_pe", x, (R,), f"[T, 64] or [T, 1, 64] with T = {self.tokens}", False)
+
+    def index(self, name: str, x):
+        x = as_array(name, x)
+        expect_dtype(name, x, INDEX_DTYPES)
+        self._tokens_match(name, x)
+        expect_shape(name, x, (self.tokens,), f"[T] = [{self.tokens}]")
+        return x
+
+    def cache(self, x, dtype, width: int, fmt: str):
+        x = as_array("kv_cache", x)
+        if jnp.dtype(x.dtype) != jnp.dtype(dtype):
+            raise TypeError(f"kv_cache must have dtype {jnp.dtype(dtype)} for {fmt}, got {x.dtype}")
+        expect_shape("kv_cache", x, (None, None, width), f"[num_blocks, block_size, {width}] ({fmt})")
+        return x
+
+    def rope(self, positions, cos_sin_cache):
+        if (positions is None) != (cos_sin_cache is None):
+            given, missing = ("positions", "cos_sin_cache") if cos_sin_cache is None else ("cos_sin_cache", "positions")
+            raise ValueError(f"RoPE needs both positions and cos_sin_cache: {given} was given without {missing}")
+        if positions is None:
+            return None, None
+        positions = self.index("positions", positions)
+        cos_sin_cache = as_array("cos_sin_cache", cos_sin_cache)
+        expect_dtype("cos_sin_cache", cos_sin_cache, (F32,))
+        expect_shape("cos_sin_cache", cos_sin_cache, (None, R), "[max_position, 64]")
+        if cos_sin_cache.shape[0] == 0:
+            raise ValueError("cos_sin_cache must have at least one row (max_position >= 1), got shape (0, 64)")
+        return positions, cos_sin_cache
+
+    def done(self, rope: bool) -> Checked:
+        return Checked(self.tokens, self.heads, self.act, rope)
+
+
+def scale(name: str, x):
+    x = as_array(name, x)
+    expect_dtype(name, x, (F32,))
+    if tuple(x.shape) not in ((), (1,)):
+        raise ValueError(f"{name} must be a float32 scalar array of shape () or (1,), got shape {tuple(x.shape)}")
+    return x
+
+
+def prefill(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, *, cache_format, v=None):
+    """Checks a prefill call; ``cache_format`` is "kv", "ds_mla" or "fp8"."""
+    c = _Checker("q", q, P + R)
+    args = dict(
+        q=as_array("q", q),
+        k_nope=c.per_head("k_nope", k_nope, P),
+        k_pe=c.k_pe(k_pe),
+        kv_c_normed=c.latent("kv_c_normed", kv_c_normed),
+    )
+    if cache_format == "fp8":
+        args["v"] = c.per_head("v", v, V)
+    if cache_format == "kv":
+        args["kv_cache"] = c.cache(kv_cache, c.act, ENTRY, "a bf16/fp16 cache in the activation dtype")
+    elif cache_format == "ds_mla":
+        args["kv_cache"] = c.cache(kv_cache, UINT8, DS_MLA_ENTRY_BYTES, "the fp8_ds_mla cache")
+    else:
+        args["kv_cache"] = c.cache(kv_cache, FP8, ENTRY, "the plain fp8 cache")
+    args["slot_mapping"] = c.index("slot_mapping", slot_mapping)
+    args["positions"], args["cos_sin_cache"] = c.rope(positions, cos_sin_cache)
+    return c.done(positions is not None), args
+
+
+def decode(ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, ds_mla, q_scale_inv, cache_scale_inv, positions, cos_sin_cache):
+    """Checks a decode call and picks its cache format: "kv", "fp8" or "ds_mla"."""
+    c = _Checker("ql_nope", ql_nope, L)
+    args = dict(
+        ql_nope=as_array("ql_nope", ql_nope),
+        q_pe=c.per_head("q_pe", q_pe, R),
+        kv_c_normed=c.latent("kv_c_normed", kv_c_normed),
+        k_pe=c.k_pe(k_pe),
+    )
+    if (q_scale_inv is None) != (cache_scale_inv is None):
+        given = "q_scale_inv" if cache_scale_inv is None else "cache_scale_inv"
+        missing = "cache_scale_inv" if cache_scale_inv is None else "q_scale_inv"
+        raise ValueError(f"the plain fp8 cache needs both q_scale_inv and cache_scale_inv: {given} was given without {missing}")
+    fp8 = q_scale_inv is not None
+    cache = as_array("kv_cache", kv_cache)
+    if ds_mla:
+        if fp8:
+            raise ValueError("ds_mla=True stores its own per-tile scales: q_scale_inv and cache_scale_inv must be None")
+        args["kv_cache"] = c.cache(cache, UINT8, DS_MLA_ENTRY_BYTES, "ds_mla=True: the fp8_ds_mla cache")
+        fmt = "ds_mla"
+    elif fp8:
+        args["kv_cache"] = c.cache(cache, FP8, ENTRY, "q_scale_inv/cache_scale_inv given: the plain fp8 cache")
+        args["q_scale_inv"] = scale("q_scale_inv", q_scale_inv)
+        args["cache_scale_inv"] = scale("cache_scale_inv", cache_scale_inv)
+        fmt = "fp8"
+    else:
+        if jnp.dtype(cache.dtype) == UINT8:
+            raise TypeError("kv_cache is uint8 (an fp8_ds_mla cache?) but ds_mla=False; pass ds_mla=True")
+        if jnp.dtype(cache.dtype) == FP8:
+            raise TypeError("kv_cache is float8_e4m3fn but q_scale_inv and cache_scale_inv were not given")
+        args["kv_cache"] = c.cache(cache, c.act, ENTRY, "a bf16/fp16 cache in the activation dtype")
+        fmt = "kv"
+    args["slot_mapping"] = c.index("slot_mapping", slot_mapping)
+    args["positions"], args["cos_sin_cache"] = c.rope(positions, cos_sin_cache)
+    return c.done(positions is not None), fmt, args

@@ -1,0 +1,152 @@
+"""The public epilogue ops: check the arguments, then one XLA FFI call with the cache aliased.
+
+In place: every op returns the new cache as an output aliased to the ``kv_cache`` input
+(``input_output_aliases``), and with RoPE the prefill ops alias the returned ``q`` to the input
+``q`` as well. XLA then writes into the caller's buffer when the caller donates it::
+
+    step = jax.jit(fused_mla_decode_q_concat_kv_cache_insert, donate_argnums=(4,))
+    mqa_q, kv_cache = step(ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping)
+
+Without donation (and in eager calls) XLA copies the cache first: correct, but it moves the
+whole cache. Only rows addressed by a valid slot change; a slot < 0 (padding) or
+>= num_blocks * block_size writes nothing. Positions outside the cos/sin table are clamped.
+Among valid tokens sharing a slot, which one's entry is kept is undefined on the GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import _checks, _ffi
+
+_NO_POSITIONS = ((0,), jnp.int32)
+_NO_COS_SIN = ((0, _checks.R), jnp.float32)
+
+
+def _rope_operands(a):
+    if a["positions"] is None:
+        return [jnp.zeros(*_NO_POSITIONS), jnp.zeros(*_NO_COS_SIN)]
+    return [a["positions"], a["cos_sin_cache"]]
+
+
+def _like(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _prefill(op, fmt, q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache):
+    checked, a = _checks.prefill(
+        q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, cache_format=fmt
+    )
+    T, H = checked.tokens, checked.heads
+    # Without RoPE q comes back unchanged: the handler gets empty stand-ins and never touches it.
+    q_in = a["q"] if checked.rope else jnp.zeros((0,), checked.act)
+    k, q_out, cache = _ffi.call(
+        op,
+        [q_in, a["k_nope"], a["k_pe"], a["kv_c_normed"], a["kv_cache"], a["slot_mapping"], *_rope_operands(a)],
+        [jax.ShapeDtypeStruct((T, H, _checks.P + _checks.R), checked.act), _like(q_in), _like(a["kv_cache"])],
+        {0: 1, 4: 2},
+    )
+    return k, (q_out if checked.rope else a["q"]), cache
+
+
+def fused_mla_key_concat_kv_cache_insert(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, *, positions=None, cos_sin_cache=None):
+    """Prefill epilogue, bf16/fp16 cache: per-head key concat, optional RoPE, cache insert.
+
+    Args:
+      q: [T, H, 192] bfloat16 or float16 (the activation dtype). With RoPE, q[..., 128:] is rotated.
+      k_nope: [T, H, 128] activation dtype.
+      k_pe: [T, 64] or [T, 1, 64] activation dtype.
+      kv_c_normed: [T, 512] activation dtype.
+      kv_cache: [num_blocks, block_size, 576] activation dtype. Donate it to update it in place.
+      slot_mapping: [T] int32 or int64; row ``slot`` of the flattened cache, < 0 = padding.
+      positions: [T] int32 or int64, with ``cos_sin_cache`` float32 [max_position, 64]: GPT-J RoPE.
+
+    Returns:
+      (k [T, H, 192] = [k_nope | r], q, kv_cache) where r = rope(k_pe) or k_pe and the cache row of
+      each valid slot holds [kv_c_normed | r]. Without RoPE every output is an exact copy.
+
+    Example::
+
+      k, q, kv_cache = jax.jit(fused_mla_key_concat_kv_cache_insert, donate_argnums=(4,))(
+          q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping)
+    """
+    return _prefill("prefill_kv_cache", "kv", q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache)
+
+
+def fused_mla_key_concat_ds_mla_insert(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, *, positions=None, cos_sin_cache=None):
+    """Prefill epilogue, fp8_ds_mla cache: as :func:`fused_mla_key_concat_kv_cache_insert`, but
+    ``kv_cache`` is uint8 [num_blocks, block_size, 656] and each valid slot's row gets the 656-byte
+    entry: 512 E4M3 codes of kv_c_normed in 4 tiles of 128, 4 float32 power-of-two tile scales,
+    64 bfloat16 values of r. ``k`` and ``q`` stay in the activation dtype.
+    Read entries back with :func:`jax_kimi_mla.ds_mla_dequantize`.
+    """
+    return _prefill("prefill_ds_mla", "ds_mla", q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache)
+
+
+def fused_mla_qkv_quant_kv_cache_fp8_insert(
+    q, k_nope, k_pe, kv_c_normed, v, kv_cache, slot_mapping, q_scale_inv, k_scale_inv, v_scale_inv, cache_scale_inv, *, positions=None, cos_sin_cache=None
+):
+    """Prefill epilogue, fp8 attention inputs and plain fp8 cache.
+
+    Args:
+      q: [T, H, 192], k_nope: [T, H, 128], v: [T, H, 128], k_pe: [T, 64] or [T, 1, 64],
+        kv_c_normed: [T, 512], all bfloat16 or float16.
+      kv_cache: [num_blocks, block_size, 576] float8_e4m3fn.
+      slot_mapping: [T] int32/int64. positions / cos_sin_cache: optional RoPE, as above.
+      q_scale_inv, k_scale_inv, v_scale_inv, cache_scale_inv: float32 arrays of shape () or (1,),
+        the reciprocals of the per-tensor scales (traced values are fine).
+
+    Returns:
+      (q_fp8 [T, H, 192], k_fp8 [T, H, 192], v_fp8 [T, H, 128], kv_cache), every value
+      E4M3(clamp(x * scale_inv, -448, 448)) rounded to nearest-even from float32 (RoPE'd values
+      straight from float32); NaN stays NaN. ``q`` itself is not modified.
+    """
+    checked, a = _checks.prefill(
+        q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, cache_format="fp8", v=v
+    )
+    scales = [_checks.scale(n, s) for n, s in (("q_scale_inv", q_scale_inv), ("k_scale_inv", k_scale_inv), ("v_scale_inv", v_scale_inv), ("cache_scale_inv", cache_scale_inv))]
+    T, H = checked.tokens, checked.heads
+    fp8 = jnp.float8_e4m3fn
+    return _ffi.call(
+        "prefill_fp8",
+        [a["q"], a["k_nope"], a["k_pe"], a["kv_c_normed"], a["v"], a["kv_cache"], a["slot_mapping"], *_rope_operands(a), *scales],
+        [
+            jax.ShapeDtypeStruct((T, H, _checks.P + _checks.R), fp8),
+            jax.ShapeDtypeStruct((T, H, _checks.P + _checks.R), fp8),
+            jax.ShapeDtypeStruct((T, H, _checks.V), fp8),
+            _like(a["kv_cache"]),
+        ],
+        {5: 3},
+    )
+
+
+def fused_mla_decode_q_concat_kv_cache_insert(
+    ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, *, ds_mla=False, q_scale_inv=None, cache_scale_inv=None, positions=None, cos_sin_cache=None
+):
+    """Decode epilogue: the absorbed MQA query and the cache insert, for all three cache formats.
+
+    Args:
+      ql_nope: [B, H, 512] bfloat16 or float16 (W_UK-absorbed query).
+      q_pe: [B, H, 64], kv_c_normed: [B, 512], k_pe: [B, 64] or [B, 1, 64], activation dtype.
+      kv_cache: one of
+        - [num_blocks, block_size, 576] in the activation dtype (default);
+        - [num_blocks, block_size, 576] float8_e4m3fn, with q_scale_inv and cache_scale_inv
+          (float32, shape () or (1,)): mqa_q is float8_e4m3fn too;
+        - [num_blocks, block_size, 656] uint8 with ``ds_mla=True`` (fp8_ds_mla entries).
+      slot_mapping: [B] int32/int64. positions / cos_sin_cache: optional RoPE.
+
+    Returns:
+      (mqa_q [B, H, 576] = [ql_nope | rope(q_pe)], kv_cache with row(slot) = [kv_c_normed | rope(k_pe)]).
+    """
+    checked, fmt, a = _checks.decode(
+        ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, ds_mla, q_scale_inv, cache_scale_inv, positions, cos_sin_cache
+    )
+    scales = [a["q_scale_inv"], a["cache_scale_inv"]] if fmt == "fp8" else []
+    q_dtype = jnp.float8_e4m3fn if fmt == "fp8" else checked.act
+    return _ffi.call(
+        {"kv": "decode_kv_cache", "fp8": "decode_fp8", "ds_mla": "decode_ds_mla"}[fmt],
+        [a["ql_nope"], a["q_pe"], a["kv_c_normed"], a["k_pe"], a["kv_cache"], a["slot_mapping"], *_rope_operands(a), *scales],
+        [jax.ShapeDtypeStruct((checked.tokens, checked.heads, _checks.ENTRY), q_dtype), _like(a["kv_cache"])],
+        {4: 1},
+    )

@@ -1,0 +1,113 @@
+"""The epilogues in plain jax.numpy: same signatures, same checks, same returns as the FFI ops.
+
+For tests, notebooks and as a fallback. Jit-able; under ``jax.jit(..., donate_argnums=...)`` XLA
+updates the cache in place here too (a scatter). Among valid tokens that share a slot, the
+LAST token's entry is kept (the CPU handlers do the same; the CUDA kernels leave it undefined).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from . import _checks
+from .numerics import ds_mla_encode, quantize_e4m3, rope
+
+P = _checks.P
+
+
+def _rotated_k_pe(k_pe, checked, positions, cos_sin_cache):
+    """k_pe as float32 [T, 64], RoPE'd when RoPE is on."""
+    x = k_pe.reshape(checked.tokens, _checks.R).astype(jnp.float32)
+    return rope(x, positions, cos_sin_cache) if checked.rope else x
+
+
+def _insert(kv_cache, rows, slot_mapping):
+    """Writes rows [T, width] into the rows of the flattened cache that valid slots address."""
+    if rows.shape[0] == 0:
+        return kv_cache
+    num_blocks, block_size, width = kv_cache.shape
+    num_rows = num_blocks * block_size
+    slots = slot_mapping
+    order = jnp.argsort(slots, stable=True)
+    ordered = slots[order]
+    last_of_run = jnp.concatenate([ordered[1:] != ordered[:-1], jnp.ones((1,), bool)])
+    is_last = jnp.zeros(slots.shape, bool).at[order].set(last_of_run)
+    keep = (slots >= 0) & (slots < num_rows) & is_last
+    target = jnp.where(keep, slots, num_rows)  # out of range: dropped by the scatter
+    flat = kv_cache.reshape(num_rows, width).at[target].set(rows, mode="drop")
+    return flat.reshape(kv_cache.shape)
+
+
+def _entry(fmt, kv_c_normed, r32, act, cache_scale_inv=None):
+    """The cache entries [T, width] of a cache format from the latent and the float32 k_pe."""
+    if fmt == "ds_mla":
+        return ds_mla_encode(kv_c_normed.astype(jnp.float32), r32.astype(jnp.bfloat16))
+    if fmt == "fp8":
+        return quantize_e4m3(jnp.concatenate([kv_c_normed.astype(jnp.float32), r32], -1), cache_scale_inv)
+    return jnp.concatenate([kv_c_normed, r32.astype(act)], -1)
+
+
+def _prefill(fmt, q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache):
+    checked, a = _checks.prefill(
+        q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, cache_format=fmt
+    )
+    T, H = checked.tokens, checked.heads
+    r32 = _rotated_k_pe(a["k_pe"], checked, a["positions"], a["cos_sin_cache"])
+    r = r32.astype(checked.act)  # exact without RoPE: a widened input narrows back to itself
+    k = jnp.concatenate([a["k_nope"], jnp.broadcast_to(r[:, None, :], (T, H, _checks.R))], -1)
+    q = a["q"]
+    if checked.rope:
+        q_pe = rope(q[..., P:].astype(jnp.float32), a["positions"], a["cos_sin_cache"])
+        q = jnp.concatenate([q[..., :P], q_pe.astype(checked.act)], -1)
+    cache = _insert(a["kv_cache"], _entry(fmt, a["kv_c_normed"], r32, checked.act), a["slot_mapping"])
+    return k, q, cache
+
+
+def fused_mla_key_concat_kv_cache_insert(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, *, positions=None, cos_sin_cache=None):
+    """Reference of :func:`jax_kimi_mla.fused_mla_key_concat_kv_cache_insert`."""
+    return _prefill("kv", q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache)
+
+
+def fused_mla_key_concat_ds_mla_insert(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, *, positions=None, cos_sin_cache=None):
+    """Reference of :func:`jax_kimi_mla.fused_mla_key_concat_ds_mla_insert`."""
+    return _prefill("ds_mla", q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache)
+
+
+def fused_mla_qkv_quant_kv_cache_fp8_insert(
+    q, k_nope, k_pe, kv_c_normed, v, kv_cache, slot_mapping, q_scale_inv, k_scale_inv, v_scale_inv, cache_scale_inv, *, positions=None, cos_sin_cache=None
+):
+    """Reference of :func:`jax_kimi_mla.fused_mla_qkv_quant_kv_cache_fp8_insert`."""
+    checked, a = _checks.prefill(
+        q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, cache_format="fp8", v=v
+    )
+    scales = [_checks.scale(n, s) for n, s in (("q_scale_inv", q_scale_inv), ("k_scale_inv", k_scale_inv), ("v_scale_inv", v_scale_inv), ("cache_scale_inv", cache_scale_inv))]
+    T, H = checked.tokens, checked.heads
+    r32 = _rotated_k_pe(a["k_pe"], checked, a["positions"], a["cos_sin_cache"])
+    q32 = a["q"].astype(jnp.float32)
+    if checked.rope:
+        q32 = jnp.concatenate([q32[..., :P], rope(q32[..., P:], a["positions"], a["cos_sin_cache"])], -1)
+    k32 = jnp.concatenate([a["k_nope"].astype(jnp.float32), jnp.broadcast_to(r32[:, None, :], (T, H, _checks.R))], -1)
+    q_fp8 = quantize_e4m3(q32, scales[0])
+    k_fp8 = quantize_e4m3(k32, scales[1])
+    v_fp8 = quantize_e4m3(a["v"].astype(jnp.float32), scales[2])
+    cache = _insert(a["kv_cache"], _entry("fp8", a["kv_c_normed"], r32, checked.act, scales[3]), a["slot_mapping"])
+    return q_fp8, k_fp8, v_fp8, cache
+
+
+def fused_mla_decode_q_concat_kv_cache_insert(
+    ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, *, ds_mla=False, q_scale_inv=None, cache_scale_inv=None, positions=None, cos_sin_cache=None
+):
+    """Reference of :func:`jax_kimi_mla.fused_mla_decode_q_concat_kv_cache_insert`."""
+    checked, fmt, a = _checks.decode(
+        ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, ds_mla, q_scale_inv, cache_scale_inv, positions, cos_sin_cache
+    )
+    r32 = _rotated_k_pe(a["k_pe"], checked, a["positions"], a["cos_sin_cache"])
+    q_pe32 = a["q_pe"].astype(jnp.float32)
+    if checked.rope:
+        q_pe32 = rope(q_pe32, a["positions"], a["cos_sin_cache"])
+    if fmt == "fp8":
+        mqa_q = quantize_e4m3(jnp.concatenate([a["ql_nope"].astype(jnp.float32), q_pe32], -1), a["q_scale_inv"])
+    else:
+        mqa_q = jnp.concatenate([a["ql_nope"], q_pe32.astype(checked.act)], -1)
+    cache = _insert(a["kv_cache"], _entry(fmt, a["kv_c_normed"], r32, checked.act, a.get("cache_scale_inv")), a["slot_mapping"])
+    return mqa_q, cache
