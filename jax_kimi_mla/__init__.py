@@ -1,6 +1,7 @@
 """Fused Kimi-K3 MLA prefill/decode epilogues for JAX, as XLA FFI custom calls (CPU and CUDA)."""
 
 from . import reference
+from ._checks import columns
 from ._ffi import ABI_VERSION, HAS_CUDA_MODULE
 from .numerics import ds_mla_dequantize, make_cos_sin_cache
 from .ops import (
@@ -13,6 +14,7 @@ from .ops import (
 __all__ = [
     "ABI_VERSION",
     "HAS_CUDA_MODULE",
+    "columns",
     "ds_mla_dequantize",
     "fused_mla_decode_q_concat_kv_cache_insert",
     "fused_mla_key_concat_ds_mla_insert",

@@ -25,6 +25,32 @@ F32 = jnp.dtype(jnp.float32)
 
 
 @dataclass(frozen=True)
+class Columns:
+    """Columns [start, start + width) of the last axis of a wider producer tensor.
+
+    Made by :func:`jax_kimi_mla.columns`. The FFI ops read those columns in place (no slice copy);
+    the reference slices.
+    """
+
+    array: jax.Array
+    start: int
+
+    def sliced(self, width: int):
+        return self.array[..., self.start : self.start + width]
+
+
+def columns(x, start: int) -> Columns:
+    """Marks ``x[..., start:start + width]`` as an op input without slicing it.
+
+    Accepted for ``k_nope``, ``v``, ``k_pe`` and ``q_pe``, e.g. ``k_nope=columns(kv, 0)`` and
+    ``v=columns(kv, 128)`` with kv the kv_b_proj output [T, H, 256], ``k_pe=columns(kv_a, 512)``
+    with kv_a [T, 576], ``q_pe=columns(q, 128)`` with q [B, H, 192]. ``start`` and the last
+    dimension must be multiples of 8 (16-byte rows).
+    """
+    return Columns(x, int(start))
+
+
+@dataclass(frozen=True)
 class Checked:
     """What the checks learned: token count, head count, activation dtype, RoPE on/off."""
 
@@ -80,6 +106,8 @@ class _Checker:
             )
 
     def activation(self, name: str, x, tail: tuple, what: str, per_head: bool):
+        if isinstance(x, Columns):
+            return self._columns(name, x, tail, what, per_head)
         x = as_array(name, x)
         if jnp.dtype(x.dtype) != self.act:
             raise TypeError(
@@ -94,6 +122,22 @@ class _Checker:
         expect_shape(name, x, (self.tokens, *tail), what)
         return x
 
+    def _columns(self, name: str, c: Columns, tail: tuple, what: str, per_head: bool):
+        """Checks a Columns input: the wider tensor must fit ``what`` but for its last dimension."""
+        base = as_array(name, c.array)
+        width = tail[-1]
+        if base.ndim != len(tail) + 1:
+            raise ValueError(f"{name} must be {what} (columns of a wider tensor), got shape {tuple(base.shape)}")
+        full = base.shape[-1]
+        if c.start < 0 or c.start % 8 or full % 8 or c.start + width > full:
+            raise ValueError(
+                f"{name}: columns({c.start}) of a tensor with last dimension {full} must start at a multiple "
+                f"of 8 and hold {width} columns (last dimension a multiple of 8)"
+            )
+        where = f"{what}, read as columns [{c.start}, {c.start + width}) of a wider tensor"
+        self.activation(name, base, (*tail[:-1], full), where, per_head)
+        return Columns(base, c.start)
+
     def per_head(self, name: str, x, width: int):
         return self.activation(name, x, (self.heads, width), f"[T, H, {width}] = [{self.tokens}, {self.heads}, {width}]", True)
 
@@ -101,8 +145,8 @@ class _Checker:
         return self.activation(name, x, (L,), f"[T, {L}] = [{self.tokens}, {L}]", False)
 
     def k_pe(self, x):
-        x = as_array("k_pe", x)
-        if x.ndim == 3:
+        x = x if isinstance(x, Columns) else as_array("k_pe", x)
+        if (x.array if isinstance(x, Columns) else x).ndim == 3:
             return self.activation("k_pe", x, (1, R), f"[T, 64] or [T, 1, 64] with T = {self.tokens}", False)
         return self.activation("k_pe", x, (R,), f"[T, 64] or [T, 1, 64] with T = {self.tokens}", False)
 
@@ -136,6 +180,14 @@ class _Checker:
 
     def done(self, rope: bool) -> Checked:
         return Checked(self.tokens, self.heads, self.act, rope)
+
+
+COLUMN_WIDTHS = {"k_nope": P, "v": V, "k_pe": R, "q_pe": R}  # the inputs that accept columns()
+
+
+def sliced(args: dict) -> dict:
+    """The checked arguments with every Columns input sliced to its exact width (for the reference)."""
+    return {n: x.sliced(COLUMN_WIDTHS[n]) if isinstance(x, Columns) else x for n, x in args.items()}
 
 
 def scale(name: str, x):

@@ -11,12 +11,17 @@ Without donation (and in eager calls) XLA copies the cache first: correct, but i
 whole cache. Only rows addressed by a valid slot change; a slot < 0 (padding) or
 >= num_blocks * block_size writes nothing. Positions outside the cos/sin table are clamped.
 Among valid tokens sharing a slot, which one's entry is kept is undefined on the GPU.
+
+``k_nope``, ``v``, ``k_pe`` and ``q_pe`` may be given as :func:`columns` of a wider producer
+tensor (e.g. ``k_nope=columns(kv, 0), v=columns(kv, 128)`` for kv_b_proj's [T, H, 256] output):
+the kernel then reads those columns in place and XLA needs no slice copy before the call.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _checks, _ffi
 
@@ -24,10 +29,21 @@ _NO_POSITIONS = ((0,), jnp.int32)
 _NO_COS_SIN = ((0, _checks.R), jnp.float32)
 
 
-def _rope_operands(a):
+def _operands(a, names, extra=()):
+    """The FFI operands: the named checked arguments, then the RoPE pair (empty stand-ins without
+    RoPE), then ``extra``; and the column attributes of inputs given as ``columns(...)``."""
+    operands, attrs = [], {}
+    for name in names:
+        x = a[name]
+        if isinstance(x, _checks.Columns):
+            attrs[f"{name}_col"] = np.int64(x.start)
+            x = x.array
+        operands.append(x)
     if a["positions"] is None:
-        return [jnp.zeros(*_NO_POSITIONS), jnp.zeros(*_NO_COS_SIN)]
-    return [a["positions"], a["cos_sin_cache"]]
+        operands += [jnp.zeros(*_NO_POSITIONS), jnp.zeros(*_NO_COS_SIN)]
+    else:
+        operands += [a["positions"], a["cos_sin_cache"]]
+    return operands + list(extra), attrs
 
 
 def _like(x):
@@ -41,11 +57,13 @@ def _prefill(op, fmt, q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, posi
     T, H = checked.tokens, checked.heads
     # Without RoPE q comes back unchanged: the handler gets empty stand-ins and never touches it.
     q_in = a["q"] if checked.rope else jnp.zeros((0,), checked.act)
+    operands, attrs = _operands(dict(a, q=q_in), ["q", "k_nope", "k_pe", "kv_c_normed", "kv_cache", "slot_mapping"])
     k, q_out, cache = _ffi.call(
         op,
-        [q_in, a["k_nope"], a["k_pe"], a["kv_c_normed"], a["kv_cache"], a["slot_mapping"], *_rope_operands(a)],
+        operands,
         [jax.ShapeDtypeStruct((T, H, _checks.P + _checks.R), checked.act), _like(q_in), _like(a["kv_cache"])],
         {0: 1, 4: 2},
+        attrs,
     )
     return k, (q_out if checked.rope else a["q"]), cache
 
@@ -108,9 +126,10 @@ def fused_mla_qkv_quant_kv_cache_fp8_insert(
     scales = [_checks.scale(n, s) for n, s in (("q_scale_inv", q_scale_inv), ("k_scale_inv", k_scale_inv), ("v_scale_inv", v_scale_inv), ("cache_scale_inv", cache_scale_inv))]
     T, H = checked.tokens, checked.heads
     fp8 = jnp.float8_e4m3fn
+    operands, attrs = _operands(a, ["q", "k_nope", "k_pe", "kv_c_normed", "v", "kv_cache", "slot_mapping"], scales)
     return _ffi.call(
         "prefill_fp8",
-        [a["q"], a["k_nope"], a["k_pe"], a["kv_c_normed"], a["v"], a["kv_cache"], a["slot_mapping"], *_rope_operands(a), *scales],
+        operands,
         [
             jax.ShapeDtypeStruct((T, H, _checks.P + _checks.R), fp8),
             jax.ShapeDtypeStruct((T, H, _checks.P + _checks.R), fp8),
@@ -118,6 +137,7 @@ def fused_mla_qkv_quant_kv_cache_fp8_insert(
             _like(a["kv_cache"]),
         ],
         {5: 3},
+        attrs,
     )
 
 
@@ -144,9 +164,11 @@ def fused_mla_decode_q_concat_kv_cache_insert(
     )
     scales = [a["q_scale_inv"], a["cache_scale_inv"]] if fmt == "fp8" else []
     q_dtype = jnp.float8_e4m3fn if fmt == "fp8" else checked.act
+    operands, attrs = _operands(a, ["ql_nope", "q_pe", "kv_c_normed", "k_pe", "kv_cache", "slot_mapping"], scales)
     return _ffi.call(
         {"kv": "decode_kv_cache", "fp8": "decode_fp8", "ds_mla": "decode_ds_mla"}[fmt],
-        [a["ql_nope"], a["q_pe"], a["kv_c_normed"], a["k_pe"], a["kv_cache"], a["slot_mapping"], *_rope_operands(a), *scales],
+        operands,
         [jax.ShapeDtypeStruct((checked.tokens, checked.heads, _checks.ENTRY), q_dtype), _like(a["kv_cache"])],
         {4: 1},
+        attrs,
     )

@@ -51,6 +51,7 @@ def _prefill(fmt, q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, position
     checked, a = _checks.prefill(
         q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, cache_format=fmt
     )
+    a = _checks.sliced(a)
     T, H = checked.tokens, checked.heads
     r32 = _rotated_k_pe(a["k_pe"], checked, a["positions"], a["cos_sin_cache"])
     r = r32.astype(checked.act)  # exact without RoPE: a widened input narrows back to itself
@@ -80,6 +81,7 @@ def fused_mla_qkv_quant_kv_cache_fp8_insert(
     checked, a = _checks.prefill(
         q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, cache_format="fp8", v=v
     )
+    a = _checks.sliced(a)
     scales = [_checks.scale(n, s) for n, s in (("q_scale_inv", q_scale_inv), ("k_scale_inv", k_scale_inv), ("v_scale_inv", v_scale_inv), ("cache_scale_inv", cache_scale_inv))]
     T, H = checked.tokens, checked.heads
     r32 = _rotated_k_pe(a["k_pe"], checked, a["positions"], a["cos_sin_cache"])
@@ -101,6 +103,7 @@ def fused_mla_decode_q_concat_kv_cache_insert(
     checked, fmt, a = _checks.decode(
         ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, ds_mla, q_scale_inv, cache_scale_inv, positions, cos_sin_cache
     )
+    a = _checks.sliced(a)
     r32 = _rotated_k_pe(a["k_pe"], checked, a["positions"], a["cos_sin_cache"])
     q_pe32 = a["q_pe"].astype(jnp.float32)
     if checked.rope:

@@ -84,9 +84,10 @@ ffi::Error run(cudaStream_t stream, const Plan& plan) {
 }
 
 template <Op op>
-ffi::Error handler(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+ffi::Error handler(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                   ffi::Dictionary attrs) {
   Plan plan;
-  if (ffi::Error err = make_plan(op, args, rets, plan); err.failure()) return err;
+  if (ffi::Error err = make_plan(op, args, rets, attrs, plan); err.failure()) return err;
   return run(stream, plan);
 }
 
@@ -99,6 +100,7 @@ ffi::Error handler(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingR
       xla::ffi::Ffi::Bind()                                                                  \
           .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                                     \
           .RemainingArgs()                                                                   \
-          .RemainingRets(),                                                                  \
+          .RemainingRets()                                                                   \
+          .Attrs(),                                                                  \
       {xla::ffi::Traits::kCmdBufferCompatible});
 JKM_FOR_EACH_OP(JKM_CUDA_HANDLER)

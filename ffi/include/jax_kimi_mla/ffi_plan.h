@@ -88,7 +88,10 @@ inline const uint16_t* act_ptr(const ffi::AnyBuffer& b) {
 //             [q_scale_inv, cache_scale_inv]  -> mqa_q, kv_cache
 // Without RoPE, positions and cos_sin_cache are empty arrays; prefill's q and q_out are empty
 // too for the bf16 and ds_mla caches (q comes back unchanged and is never read).
-inline ffi::Error make_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets rets, Plan& plan) {
+// Optional int64 attributes k_nope_col, v_col, k_pe_col, q_pe_col: that input is a wider tensor
+// whose columns [col, col + width) are read (e.g. k_nope and v straight from kv_b_proj's output).
+inline ffi::Error make_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                            ffi::Dictionary attrs, Plan& plan) {
   const bool prefill = op == Op::prefill_kv_cache || op == Op::prefill_ds_mla || op == Op::prefill_fp8;
   const bool fp8_prefill = op == Op::prefill_fp8;
   const size_t num_in = 8 + (fp8_prefill ? 5 : 0) + (op == Op::decode_fp8 ? 2 : 0);
@@ -109,7 +112,8 @@ inline ffi::Error make_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets r
   }
 
   size_t next = 4;
-  const ffi::AnyBuffer &a = in[0], &b = in[1], &k_pe = in[2], &kv_c = in[3];
+  const ffi::AnyBuffer &a = in[0], &b = in[1];  // prefill: q, k_nope; decode: ql_nope, q_pe
+  const ffi::AnyBuffer &k_pe = in[prefill ? 2 : 3], &kv_c = in[prefill ? 3 : 2];
   const ffi::AnyBuffer* v = fp8_prefill ? &in[next++] : nullptr;
   const ffi::AnyBuffer &cache = in[next], &slots = in[next + 1], &positions = in[next + 2],
                        &cos_sin = in[next + 3];
@@ -129,8 +133,6 @@ inline ffi::Error make_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets r
   const bool rope = cos_sin.element_count() > 0;
 
   ck.dims(kv_c, {T, kLatent}, "kv_c_normed must be [T, 512]");
-  ck.expect(k_pe.element_type() == act && k_pe.element_count() == size_t(T * kRope),
-            "k_pe must be [T, 64] or [T, 1, 64] in the activation dtype");
   ck.expect(detail::is_index(slots.element_type()) && slots.element_count() == size_t(T),
             "slot_mapping must be int32/int64 [T]");
   if (rope) {
@@ -174,57 +176,74 @@ inline ffi::Error make_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets r
                    : cache_type == ffi::DataType::F8E4M3FN ? CacheFormat::kFp8
                                                              : CacheFormat::kAct;
   e.cache_rows = cache.dimensions()[0] * cache.dimensions()[1];
-  e.cache = {detail::act_ptr(kv_c), kLatent, 0, kLatent / kChunk,
-             detail::act_ptr(k_pe), kRope,   0, kRopeChunks,
-             cache_out.untyped_data(), entry, 0, nullptr};
-  plan.copy_unless_aliased(cache, cache_out);
-
-  auto input = [&](const ffi::AnyBuffer& x, int64_t width, const char* what) {
-    ck.expect(x.element_type() == act && x.element_count() == size_t(T * H * width), what);
-    return detail::act_ptr(x);
+  // An activation source: [lead..., width] read from column `col` (the attribute `col_attr`,
+  // default 0), so a per-head or per-token input can be a wider producer tensor.
+  struct Source {
+    const uint16_t* data;
+    int64_t width;
+  };
+  auto source = [&](const ffi::AnyBuffer& x, int64_t lead, int64_t need, const char* col_attr,
+                    const char* what) {
+    int64_t col = 0;
+    if (col_attr != nullptr && attrs.contains(col_attr)) {
+      auto value = attrs.get<int64_t>(col_attr);
+      ck.expect(value.has_value(), "column attributes must be int64");
+      if (value.has_value()) col = *value;
+    }
+    auto d = x.dimensions();
+    const int64_t width = d.size() > 0 ? d.back() : 0;
+    ck.expect(x.element_type() == act && width % kChunk == 0 && col % kChunk == 0 && col >= 0 &&
+                  col + need <= width && x.element_count() == size_t(lead * width),
+              what);
+    return Source{detail::act_ptr(x) + col, width};
   };
   auto output = [&](const ffi::AnyBuffer& x, ffi::DataType type, int64_t width) {
     ck.expect(x.element_type() == type && x.element_count() == size_t(T * H * width),
               "an output has the wrong dtype or shape");
     return x.untyped_data();
   };
-  const auto* k_pe_p = detail::act_ptr(k_pe);
+  const Source kp = source(k_pe, T, kRope, "k_pe_col", "k_pe must be [T, 64] or [T, 1, 64]");
+  e.cache = {detail::act_ptr(kv_c), kLatent, 0, kLatent / kChunk,
+             kp.data, kp.width, 0, kRopeChunks,
+             cache_out.untyped_data(), entry, 0, nullptr};
+  plan.copy_unless_aliased(cache, cache_out);
+
   const auto scale = [&](int i) { return static_cast<const float*>(scales[i].untyped_data()); };
   RowSpec* rows = e.head_rows;
   if (op == Op::prefill_kv_cache || op == Op::prefill_ds_mla) {
-    const auto* k_nope = input(b, kNope, "k_nope must be [T, H, 128]");
-    rows[e.num_head_rows++] = {k_nope, H * kNope, kNope, kNope / kChunk, k_pe_p, kRope, 0,
-                               kRopeChunks, output(out[0], act, kQkHead), H * kQkHead, kQkHead};
+    const Source kn = source(b, T * H, kNope, "k_nope_col", "k_nope must be [T, H, 128]");
+    rows[e.num_head_rows++] = {kn.data, H * kn.width, kn.width, kNope / kChunk, kp.data, kp.width,
+                               0, kRopeChunks, output(out[0], act, kQkHead), H * kQkHead, kQkHead};
     if (rope) {  // q[..., 128:] rotated in place
-      const auto* q = input(a, kQkHead, "q must be [T, H, 192]");
+      const Source q = source(a, T * H, kQkHead, nullptr, "q must be [T, H, 192]");
       auto* q_out = static_cast<uint16_t*>(output(out[1], act, kQkHead));
-      rows[e.num_head_rows++] = {nullptr, 0, 0, 0, q + kNope, H * kQkHead, kQkHead, kRopeChunks,
-                                 q_out + kNope, H * kQkHead, kQkHead};
+      rows[e.num_head_rows++] = {nullptr, 0, 0, 0, q.data + kNope, H * kQkHead, kQkHead,
+                                 kRopeChunks, q_out + kNope, H * kQkHead, kQkHead};
       plan.copy_unless_aliased(a, out[1]);
     } else {
       ck.expect(a.element_count() == 0 && out[1].element_count() == 0,
                 "without RoPE, q is not passed to the handler");
     }
   } else if (fp8_prefill) {
-    const auto* q = input(a, kQkHead, "q must be [T, H, 192]");
-    const auto* k_nope = input(b, kNope, "k_nope must be [T, H, 128]");
-    const auto* v_p = input(*v, kVHead, "v must be [T, H, 128]");
+    const Source q = source(a, T * H, kQkHead, nullptr, "q must be [T, H, 192]");
+    const Source kn = source(b, T * H, kNope, "k_nope_col", "k_nope must be [T, H, 128]");
+    const Source vs = source(*v, T * H, kVHead, "v_col", "v must be [T, H, 128]");
     const ffi::DataType f8 = ffi::DataType::F8E4M3FN;
-    rows[e.num_head_rows++] = {q, H * kQkHead, kQkHead, kNope / kChunk, q + kNope, H * kQkHead,
-                               kQkHead, kRopeChunks, output(out[0], f8, kQkHead), H * kQkHead,
-                               kQkHead, scale(0)};
-    rows[e.num_head_rows++] = {k_nope, H * kNope, kNope, kNope / kChunk, k_pe_p, kRope, 0,
-                               kRopeChunks, output(out[1], f8, kQkHead), H * kQkHead, kQkHead,
+    rows[e.num_head_rows++] = {q.data, H * kQkHead, kQkHead, kNope / kChunk, q.data + kNope,
+                               H * kQkHead, kQkHead, kRopeChunks, output(out[0], f8, kQkHead),
+                               H * kQkHead, kQkHead, scale(0)};
+    rows[e.num_head_rows++] = {kn.data, H * kn.width, kn.width, kNope / kChunk, kp.data, kp.width,
+                               0, kRopeChunks, output(out[1], f8, kQkHead), H * kQkHead, kQkHead,
                                scale(1)};
-    rows[e.num_head_rows++] = {v_p, H * kVHead, kVHead, kVHead / kChunk, nullptr, 0, 0, 0,
+    rows[e.num_head_rows++] = {vs.data, H * vs.width, vs.width, kVHead / kChunk, nullptr, 0, 0, 0,
                                output(out[2], f8, kVHead), H * kVHead, kVHead, scale(2)};
     e.cache.scale_inv = scale(3);
   } else {
-    const auto* ql_nope = input(a, kLatent, "ql_nope must be [B, H, 512]");
-    const auto* q_pe = input(b, kRope, "q_pe must be [B, H, 64]");
+    const Source ql = source(a, T * H, kLatent, nullptr, "ql_nope must be [B, H, 512]");
+    const Source qp = source(b, T * H, kRope, "q_pe_col", "q_pe must be [B, H, 64]");
     const bool fp8 = op == Op::decode_fp8;
-    rows[e.num_head_rows++] = {ql_nope, H * kLatent, kLatent, kLatent / kChunk, q_pe, H * kRope,
-                               kRope, kRopeChunks,
+    rows[e.num_head_rows++] = {ql.data, H * ql.width, ql.width, kLatent / kChunk, qp.data,
+                               H * qp.width, qp.width, kRopeChunks,
                                output(out[0], fp8 ? ffi::DataType::F8E4M3FN : act, kEntry),
                                H * kEntry, kEntry, fp8 ? scale(0) : nullptr};
     if (fp8) e.cache.scale_inv = scale(1);
