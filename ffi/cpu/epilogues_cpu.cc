@@ -20,7 +20,7 @@ void write_ds_mla_entry(const Epilogue& e, int64_t t, int64_t row, const float* 
     for (int c = 0; c < kTileChunks; ++c) store_ds_mla_latent(entry, tile * kTileChunks + c, v[c], s);
     store_ds_mla_scale(entry, tile, s);
   }
-  for (int j = 0; j < kRopeChunks; ++j) store_ds_mla_pe(e, entry, t, j, rope_row);
+  for (int j = 0; j < kRopeChunks; ++j) store_ds_mla_pe(entry, j, make_ds_mla_pe(e, t, j, rope_row));
 }
 
 void run(const Plan& plan) {
@@ -33,13 +33,14 @@ void run(const Plan& plan) {
     if (row >= 0 && e.cache_format == CacheFormat::kDsMla) {
       write_ds_mla_entry(e, t, row, rope_row);
     } else if (row >= 0) {
-      for (int c = 0; c < kCacheChunks; ++c) emit_chunk(e, e.cache, t, 0, c, row * e.cache.out_t, rope_row);
+      for (int c = 0; c < kCacheChunks; ++c)
+        store_chunk(e.cache, row * e.cache.out_t, c, make_chunk(e, e.cache, t, 0, c, rope_row));
     }
     for (int64_t h = 0; h < e.heads; ++h)
       for (int r = 0; r < e.num_head_rows; ++r) {
         const RowSpec& spec = e.head_rows[r];
         for (int c = 0; c < spec.chunks(); ++c)
-          emit_chunk(e, spec, t, h, c, t * spec.out_t + h * spec.out_h, rope_row);
+          store_chunk(spec, t * spec.out_t + h * spec.out_h, c, make_chunk(e, spec, t, h, c, rope_row));
       }
   }
 }

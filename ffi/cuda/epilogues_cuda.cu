@@ -14,10 +14,13 @@ namespace {
 constexpr int kMaxThreads = 256;
 constexpr int64_t kMaxGridY = 65535;
 
+// Every lane reads its inputs before it knows whether its token's slot is valid: the input loads
+// and the slot_mapping load are then in flight together (a skipped row costs a wasted read only).
 __device__ void ds_mla_lane(const Epilogue& e, int64_t t, int64_t row, int lane, const float* rope_row) {
-  uint8_t* entry = ds_mla_entry(e, row);
   if (lane >= kLatent / kChunk) {
-    store_ds_mla_pe(e, entry, t, lane - kLatent / kChunk, rope_row);
+    const int j = lane - kLatent / kChunk;
+    const Raw16 pe = make_ds_mla_pe(e, t, j, rope_row);
+    if (row >= 0) store_ds_mla_pe(ds_mla_entry(e, row), j, pe);
     return;
   }
   float v[kChunk];
@@ -27,7 +30,9 @@ __device__ void ds_mla_lane(const Epilogue& e, int64_t t, int64_t row, int lane,
   const unsigned tile_mask = 0xFFFFu << (threadIdx.x & 16);  // the 16 lanes of this tile
   for (int offset = kTileChunks / 2; offset > 0; offset /= 2)
     amax = amax_fold(amax, __shfl_xor_sync(tile_mask, amax, offset, kTileChunks));
+  if (row < 0) return;  // uniform over the token, so after the shuffles
   const float s = ds_mla_tile_scale(amax);
+  uint8_t* entry = ds_mla_entry(e, row);
   store_ds_mla_latent(entry, lane, v, s);
   if (lane % kTileChunks == 0) store_ds_mla_scale(entry, lane / kTileChunks, s);
 }
@@ -39,11 +44,12 @@ __global__ void __launch_bounds__(kMaxThreads) epilogue_kernel(const Epilogue e,
   const float* rope_row = e.rope_row(t);
   if (lane < kCacheChunks) {
     const int64_t row = e.cache_row(t);
-    if (row < 0) return;
-    if (e.cache_format == CacheFormat::kDsMla)
+    if (e.cache_format == CacheFormat::kDsMla) {
       ds_mla_lane(e, t, row, lane, rope_row);
-    else
-      emit_chunk(e, e.cache, t, 0, lane, row * e.cache.out_t, rope_row);
+    } else {
+      const Raw16 chunk = make_chunk(e, e.cache, t, 0, lane, rope_row);
+      if (row >= 0) store_chunk(e.cache, row * e.cache.out_t, lane, chunk);
+    }
     return;
   }
   const int head_chunks = e.head_chunks();
@@ -54,7 +60,7 @@ __global__ void __launch_bounds__(kMaxThreads) epilogue_kernel(const Epilogue e,
   for (int r = 0; r < e.num_head_rows; ++r) {
     const RowSpec& spec = e.head_rows[r];
     if (c < spec.chunks()) {
-      emit_chunk(e, spec, t, h, c, t * spec.out_t + h * spec.out_h, rope_row);
+      store_chunk(spec, t * spec.out_t + h * spec.out_h, c, make_chunk(e, spec, t, h, c, rope_row));
       return;
     }
     c -= spec.chunks();

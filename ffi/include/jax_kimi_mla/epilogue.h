@@ -126,15 +126,13 @@ JKM_HD Raw16 narrow8(bool to_bf16, const float v[kChunk]) {
   return r;
 }
 
-// Writes Q(v * mult): 8 E4M3 codes.
-JKM_HD void store_e4m3x8(uint8_t* dst, const float v[kChunk], float mult) {
-  uint32_t w[2];
+// Q(v * mult): 8 E4M3 codes packed into two words.
+JKM_HD void e4m3x8(const float v[kChunk], float mult, uint32_t w[2]) {
   for (int i = 0; i < 2; ++i) {
     uint32_t p0 = e4m3_encode_pair(mul_rn(v[4 * i], mult), mul_rn(v[4 * i + 1], mult));
     uint32_t p1 = e4m3_encode_pair(mul_rn(v[4 * i + 2], mult), mul_rn(v[4 * i + 3], mult));
     w[i] = p0 | (p1 << 16);
   }
-  store8(dst, w[0], w[1]);
 }
 
 // Where chunk c of row r for (t, h) is read from, and the cos/sin row it is rotated by (null for
@@ -159,29 +157,31 @@ JKM_HD void chunk_values(const Epilogue& e, const RowSpec& r, int64_t t, int64_t
   if (rotate_by != nullptr) rope8(rotate_by, pe_chunk, v);
 }
 
-// Chunk c of a row whose output is in the activation dtype or in plain E4M3. `out_elem` is the
-// element offset of the output row. Unrotated activation chunks are copied bit for bit.
-JKM_HD void emit_chunk(const Epilogue& e, const RowSpec& r, int64_t t, int64_t h, int c,
-                       int64_t out_elem, const float* rope_row) {
-  const int64_t dst = out_elem + int64_t(c) * kChunk;
-  if (r.scale_inv != nullptr) {
-    float v[kChunk];
-    chunk_values(e, r, t, h, c, rope_row, v);
-    store_e4m3x8(static_cast<uint8_t*>(r.out) + dst, v, *r.scale_inv);
-    return;
-  }
+// Chunk c of a row whose output is in the activation dtype (16 bytes) or in plain E4M3 (the first
+// 8 bytes). Unrotated activation chunks are the input bits themselves. Computing a chunk and
+// storing it are separate so that a kernel can issue its loads before it knows where to store.
+JKM_HD Raw16 make_chunk(const Epilogue& e, const RowSpec& r, int64_t t, int64_t h, int c,
+                        const float* rope_row) {
   const float* rotate_by;
   int pe_chunk = 0;
-  const uint16_t* src = chunk_source(r, t, h, c, rope_row, &rotate_by, &pe_chunk);
-  uint16_t* out = static_cast<uint16_t*>(r.out) + dst;
-  if (rotate_by == nullptr) {
-    store16(out, load16(src));
-    return;
-  }
+  const Raw16 raw = load16(chunk_source(r, t, h, c, rope_row, &rotate_by, &pe_chunk));
+  if (rotate_by == nullptr && r.scale_inv == nullptr) return raw;
   float v[kChunk];
-  widen8(e.act, load16(src), v);
-  rope8(rotate_by, pe_chunk, v);
-  store16(out, narrow8(e.act == ActType::kBF16, v));
+  widen8(e.act, raw, v);
+  if (rotate_by != nullptr) rope8(rotate_by, pe_chunk, v);
+  if (r.scale_inv == nullptr) return narrow8(e.act == ActType::kBF16, v);
+  Raw16 codes{};
+  e4m3x8(v, *r.scale_inv, codes.w);
+  return codes;
+}
+
+// `out_elem` is the element offset of the output row.
+JKM_HD void store_chunk(const RowSpec& r, int64_t out_elem, int c, const Raw16& chunk) {
+  const int64_t dst = out_elem + int64_t(c) * kChunk;
+  if (r.scale_inv != nullptr)
+    store8(static_cast<uint8_t*>(r.out) + dst, chunk.w[0], chunk.w[1]);
+  else
+    store16(static_cast<uint16_t*>(r.out) + dst, chunk);
 }
 
 // ---- the fp8_ds_mla entry ----
@@ -192,7 +192,9 @@ JKM_HD uint8_t* ds_mla_entry(const Epilogue& e, int64_t row) {
 
 // Tile j's latent chunk (0..15 within the tile) quantized with the tile's scale s.
 JKM_HD void store_ds_mla_latent(uint8_t* entry, int latent_chunk, const float v[kChunk], float s) {
-  store_e4m3x8(entry + latent_chunk * kChunk, v, 1.0f / s);  // s is a power of two: exact
+  uint32_t w[2];
+  e4m3x8(v, 1.0f / s, w);  // s is a power of two: x * (1 / s) == x / s exactly
+  store8(entry + latent_chunk * kChunk, w[0], w[1]);
 }
 
 JKM_HD void store_ds_mla_scale(uint8_t* entry, int tile, float s) {
@@ -203,17 +205,16 @@ JKM_HD void store_ds_mla_scale(uint8_t* entry, int tile, float s) {
 
 // pe chunk j (0..7) of the entry: bfloat16 from the float32 value, or the bf16 bits themselves
 // when nothing changes them.
-JKM_HD void store_ds_mla_pe(const Epilogue& e, uint8_t* entry, int64_t t, int j,
-                            const float* rope_row) {
+JKM_HD Raw16 make_ds_mla_pe(const Epilogue& e, int64_t t, int j, const float* rope_row) {
   const RowSpec& r = e.cache;
-  uint8_t* dst = entry + kDsMlaPeOffset + j * kChunk * 2;
-  if (rope_row == nullptr && e.act == ActType::kBF16) {
-    store16(dst, load16(r.pe + t * r.pe_t + j * kChunk));
-    return;
-  }
+  if (rope_row == nullptr && e.act == ActType::kBF16) return load16(r.pe + t * r.pe_t + j * kChunk);
   float v[kChunk];
   chunk_values(e, r, t, 0, r.nope_chunks + j, rope_row, v);
-  store16(dst, narrow8(true, v));
+  return narrow8(true, v);
+}
+
+JKM_HD void store_ds_mla_pe(uint8_t* entry, int j, const Raw16& chunk) {
+  store16(entry + kDsMlaPeOffset + j * kChunk * 2, chunk);
 }
 
 }  // namespace jax_kimi_mla
