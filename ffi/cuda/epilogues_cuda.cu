@@ -53,10 +53,10 @@ __global__ void __launch_bounds__(kMaxThreads) epilogue_kernel(const Epilogue e,
     return;
   }
   const int head_chunks = e.head_chunks();
-  const int64_t head_lane = lane - kCacheChunks;
+  const int head_lane = lane - kCacheChunks;  // < lanes_per_token: 32-bit division suffices
   if (head_chunks == 0 || head_lane >= e.heads * head_chunks) return;
-  const int64_t h = head_lane / head_chunks;
-  int c = int(head_lane - h * head_chunks);
+  const int h = head_lane / head_chunks;
+  int c = head_lane - h * head_chunks;
   for (int r = 0; r < e.num_head_rows; ++r) {
     const RowSpec& spec = e.head_rows[r];
     if (c < spec.chunks()) {
@@ -67,10 +67,16 @@ __global__ void __launch_bounds__(kMaxThreads) epilogue_kernel(const Epilogue e,
   }
 }
 
+ffi::Error cuda_error(const char* what, cudaError_t err) {
+  return ffi::Error::Internal(std::string("jax_kimi_mla: ") + what + ": " + cudaGetErrorString(err));
+}
+
 ffi::Error run(cudaStream_t stream, const Plan& plan) {
-  for (int i = 0; i < plan.num_copies; ++i)
-    cudaMemcpyAsync(plan.copies[i].dst, plan.copies[i].src, plan.copies[i].bytes,
-                    cudaMemcpyDeviceToDevice, stream);
+  for (int i = 0; i < plan.num_copies; ++i) {
+    const Copy& c = plan.copies[i];
+    cudaError_t err = cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDeviceToDevice, stream);
+    if (err != cudaSuccess) return cuda_error("copying an un-aliased output", err);
+  }
   const Epilogue& e = plan.e;
   if (e.tokens > 0) {
     const int64_t lanes = plan.lanes_per_token();
@@ -78,15 +84,13 @@ ffi::Error run(cudaStream_t stream, const Plan& plan) {
     const int64_t tiles = (lanes + threads - 1) / threads;
     const int64_t grid_y = std::min(e.tokens, kMaxGridY);
     const int64_t grid_z = (e.tokens + grid_y - 1) / grid_y;
-    if (tiles > INT32_MAX || grid_z > kMaxGridY)
+    if (lanes > INT32_MAX || grid_z > kMaxGridY)
       return ffi::Error::InvalidArgument("jax_kimi_mla: problem too large for one launch");
     epilogue_kernel<<<dim3(unsigned(tiles), unsigned(grid_y), unsigned(grid_z)), threads, 0, stream>>>(
         e, int(lanes));
   }
   cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess)
-    return ffi::Error::Internal(std::string("jax_kimi_mla: CUDA launch failed: ") + cudaGetErrorString(err));
-  return ffi::Error::Success();
+  return err == cudaSuccess ? ffi::Error::Success() : cuda_error("kernel launch", err);
 }
 
 template <Op op>

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Everything an H200 session runs, in one device call (the device has no network: it builds against
+# its preinstalled jax/jaxlib, nanobind and scikit-build-core):
+#   bash benchmarks/h200.sh [build] [test] [sanitize] [selfcheck] [bench] [bench-quick]
+# Logs and a tarball of benchmarks/results go to $OUT (or ./h200-out).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+OUT=${OUT:-$PWD/h200-out}
+mkdir -p "$OUT"
+stages=${*:-build test sanitize selfcheck bench}
+status=0
+
+stage() {  # name command...: runs, logs to $OUT/<name>.log, remembers failure
+  local name=$1; shift
+  echo "=== $name: $*"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 60
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc after $((SECONDS - t0)) s"
+  [ "$rc" = 0 ] || status=1
+}
+
+for s in $stages; do
+  case $s in
+    build)
+      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+      python3 -c 'import jax; print("jax", jax.__version__, jax.devices())'
+      stage build bash -c 'python3 -m pip install --no-build-isolation --no-deps . &&
+        python3 -P -c "import jax_kimi_mla as m; assert m.HAS_CUDA_MODULE; print(\"CUDA module OK\")"' ;;
+    test)
+      stage test python3 -P -m pytest -q -rs --durations=15 -p no:cacheprovider ;;
+    sanitize)
+      # Hostile slots/positions, T = 0, every op and format, RoPE on and off, on the GPU.
+      stage sanitize compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+        python3 -P -m pytest -q -p no:cacheprovider -x tests/test_ops.py -k "cuda and not vmap" ;;
+    selfcheck)
+      stage selfcheck python3 -P -m jax_kimi_mla ;;
+    bench)
+      stage bench python3 -P benchmarks/bench.py --out "$OUT/results" &&
+        tar czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$OUT/results" ;;
+    bench-quick)
+      stage bench python3 -P benchmarks/bench.py --quick --out "$OUT/results" &&
+        tar czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$OUT/results" ;;
+    *) echo "unknown stage $s"; status=1 ;;
+  esac
+done
+exit $status
