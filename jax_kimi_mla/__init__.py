@@ -1,6 +1,6 @@
 """Fused Kimi-K3 MLA prefill/decode epilogues for JAX, as XLA FFI custom calls (CPU and CUDA)."""
 
-from . import reference
+from . import reference, sharding
 from ._checks import columns
 from ._ffi import ABI_VERSION, HAS_CUDA_MODULE
 from .numerics import ds_mla_dequantize, make_cos_sin_cache
@@ -22,4 +22,5 @@ __all__ = [
     "fused_mla_qkv_quant_kv_cache_fp8_insert",
     "make_cos_sin_cache",
     "reference",
+    "sharding",
 ]

@@ -43,10 +43,11 @@ HAS_CUDA_MODULE = _cuda is not None
 def call(op: str, inputs, result_shapes, aliases: dict[int, int], attrs: dict):
     """Runs one epilogue target. ``aliases`` maps input index -> output index (in place);
     ``attrs`` are the int64 column attributes."""
-    return jax.ffi.ffi_call(
+    outputs = jax.ffi.ffi_call(
         target_name(op),
         result_shapes,
         input_output_aliases=aliases,
         # Each batch element is an independent call on its own cache: a loop is always correct.
         vmap_method="sequential",
     )(*inputs, **attrs)
+    return tuple(outputs)
