@@ -8,7 +8,10 @@ In place: every op returns the new cache as an output aliased to the ``kv_cache`
     mqa_q, kv_cache = step(ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping)
 
 Without donation (and in eager calls) XLA copies the cache first: correct, but it moves the
-whole cache. Only rows addressed by a valid slot change; a slot < 0 (padding) or
+whole cache. A RoPE'd q is rotated in its own buffer when it is an intermediate of the jitted
+step (q_b_proj's output, the usual case). Donating q as an argument of a jit that returns
+(k, q, kv_cache) does not help: jax pairs a donated argument with the first output of its shape,
+which is k, so XLA copies q. Only rows addressed by a valid slot change; a slot < 0 (padding) or
 >= num_blocks * block_size writes nothing. Positions outside the cos/sin table are clamped.
 Among valid tokens sharing a slot, which one's entry is kept is undefined on the GPU.
 

@@ -7,6 +7,7 @@ LAST token's entry is kept (the CPU handlers do the same; the CUDA kernels leave
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from . import _checks
@@ -34,8 +35,12 @@ def _insert(kv_cache, rows, slot_mapping):
     is_last = jnp.zeros(slots.shape, bool).at[order].set(last_of_run)
     keep = (slots >= 0) & (slots < num_rows) & is_last
     target = jnp.where(keep, slots, num_rows)  # out of range: dropped by the scatter
-    flat = kv_cache.reshape(num_rows, width).at[target].set(rows, mode="drop")
-    return flat.reshape(kv_cache.shape)
+    # Scatter the bits: XLA may compute a float scatter through float32, which would rewrite NaN
+    # payloads in rows it does not even address.
+    as_bits = {1: jnp.uint8, 2: jnp.uint16}[kv_cache.dtype.itemsize]
+    flat = jax.lax.bitcast_convert_type(kv_cache.reshape(num_rows, width), as_bits)
+    flat = flat.at[target].set(jax.lax.bitcast_convert_type(rows, as_bits), mode="drop")
+    return jax.lax.bitcast_convert_type(flat, kv_cache.dtype).reshape(kv_cache.shape)
 
 
 def _entry(fmt, kv_c_normed, r32, act, cache_scale_inv=None):

@@ -1,0 +1,279 @@
+"""Benchmark of the Kimi-K3 MLA epilogues: FFI op vs jnp reference vs the memory floor.
+
+For every variant (``jax_kimi_mla._workloads.VARIANTS``), head count and size: the device time
+per call of the FFI op and of the jitted reference (cache donated; with RoPE in prefill q too),
+their wall time per call and kernel count per call, and the floor, the least bytes a call must
+move divided by the copy ceiling measured in the same run (a jitted ``jnp.copy`` of a 2 GiB
+array, read + write bytes). Then one op with a 64 MiB and with a 16 GiB cache: with donation
+the time must not depend on the cache size.
+
+Device time is the median over several hundred (at least 10) calls in a ``jax.profiler``
+trace. Without a device trace (the CPU backend) the wall time stands in, marked "wall".
+
+    python benchmarks/bench.py              # all sizes, on the default backend
+    python benchmarks/bench.py --quick      # a handful of sizes: a smoke run, fine on CPU
+
+Writes RESULTS.md, results.csv (row by row, so a killed run keeps what it measured) and
+plots/<variant>.png under --out (default: benchmarks/results/<platform>[-quick]).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+from jax_kimi_mla._profile import device_time_per_call, wall_time_per_call
+from jax_kimi_mla._workloads import VARIANTS, Variant, fresh_copy, run
+
+DTYPE = jnp.bfloat16
+HEADS = (12, 96)  # Kimi-K3: 96 heads, 12 per GPU at TP8
+SIZES = {"decode": (1, 4, 16, 64, 256, 1024, 4096), "prefill": (512, 2048, 8192, 32768)}
+QUICK_HEADS = (12,)
+QUICK_SIZES = {"decode": (1, 16, 64), "prefill": (128, 512)}
+COPY_BYTES, QUICK_COPY_BYTES = 2 << 30, 256 << 20
+CACHE_BYTES, QUICK_CACHE_BYTES = (64 << 20, 16 << 30), (64 << 20, 1 << 30)
+CACHE_CASE = ("decode_kv_nope", 64, 12)  # variant, B, H of the cache-size check
+PROFILED_SECONDS = 0.03  # wall time the profiled calls of one measurement should take
+MIN_CALLS, MAX_CALLS = 10, 400
+WALL_SECONDS, MIN_WALL_CALLS, MAX_WALL_CALLS = 0.02, 5, 200
+
+FIELDS = [
+    "variant", "phase", "cache_format", "rope", "heads", "tokens", "min_bytes", "floor_us",
+    "ffi_us", "ffi_kernels", "ffi_wall_us", "ffi_bw_fraction",
+    "ref_us", "ref_kernels", "ref_wall_us", "ref_bw_fraction", "time_source", "error",
+]
+
+
+@dataclass(frozen=True)
+class Timing:
+    wall_s: float
+    device_s: float | None
+    kernels: float | None
+    source: str  # "device", "device-mean" (calls could not be told apart) or "wall"
+
+    @property
+    def seconds(self) -> float:
+        return self.wall_s if self.device_s is None else self.device_s
+
+
+def _clamp(x: float, lo: int, hi: int) -> int:
+    return int(max(lo, min(hi, x)))
+
+
+def measure(step, args: list, donated: dict[int, int], max_calls: int = MAX_CALLS) -> Timing:
+    """Compiles and warms ``step`` up, then times it; ``args`` are consumed (donated)."""
+    jax.block_until_ready(run(step, args, donated))
+    start = time.perf_counter()
+    jax.block_until_ready(run(step, args, donated))
+    estimate = time.perf_counter() - start
+    wall = wall_time_per_call(step, args, donated, _clamp(WALL_SECONDS / estimate, MIN_WALL_CALLS, MAX_WALL_CALLS), warmup=0)
+    device = device_time_per_call(step, args, donated, _clamp(PROFILED_SECONDS / wall, MIN_CALLS, max_calls))
+    if device is None:
+        return Timing(wall, None, None, "wall")
+    return Timing(wall, device.seconds, device.kernels, "device" if device.per_call else "device-mean")
+
+
+def copy_ceiling(nbytes: int) -> tuple[float, Timing]:
+    """Bytes per second of a jitted ``jnp.copy`` (read + write), and its timing."""
+    x = jnp.full((nbytes,), 0x5A, jnp.uint8)
+    # Few calls: each returns a new buffer of nbytes, and calls queue up ahead of the device.
+    timing = measure(jax.jit(jnp.copy), [x], {}, max_calls=MIN_CALLS)
+    return 2 * nbytes / timing.seconds, timing
+
+
+def cache_size_check(cache_bytes: tuple[int, ...]) -> list[dict]:
+    """One op at one shape with caches of different sizes: donation makes the size irrelevant."""
+    name, tokens, heads = CACHE_CASE
+    variant = VARIANTS[name]
+    rows = []
+    for nbytes in cache_bytes:
+        row = dict(variant=name, tokens=tokens, heads=heads, cache_mib=nbytes >> 20)
+        num_blocks = variant.num_blocks_for(nbytes, DTYPE)
+        for label, fn in (("ffi", variant.op), ("ref", variant.reference)):
+            # Built anew per op so that only one large cache is alive at a time.
+            args = variant.inputs(tokens, heads, DTYPE, num_blocks=num_blocks)
+            row[label] = measure(variant.step(fn), args, variant.donated)
+            del args
+        rows.append(row)
+        print(f"  cache {nbytes >> 20:6d} MiB: ffi {row['ffi'].seconds * 1e6:9.1f} us,"
+              f" ref {row['ref'].seconds * 1e6:9.1f} us ({row['ffi'].source})", flush=True)
+    return rows
+
+
+def sweep_point(variant: Variant, tokens: int, heads: int, ceiling: float) -> dict:
+    args = variant.inputs(tokens, heads, DTYPE)
+    ref_args = fresh_copy(args, variant.donated)
+    ffi = measure(variant.step(variant.op), args, variant.donated)
+    del args
+    ref = measure(variant.step(variant.reference), ref_args, variant.donated)
+    min_bytes = variant.min_bytes(tokens, heads, DTYPE)
+    floor = min_bytes / ceiling
+    return dict(
+        variant=variant.name, phase=variant.phase, cache_format=variant.cache_format, rope=variant.rope,
+        heads=heads, tokens=tokens, min_bytes=min_bytes, floor_us=floor * 1e6,
+        ffi_us=ffi.seconds * 1e6, ffi_kernels=ffi.kernels, ffi_wall_us=ffi.wall_s * 1e6, ffi_bw_fraction=floor / ffi.seconds,
+        ref_us=ref.seconds * 1e6, ref_kernels=ref.kernels, ref_wall_us=ref.wall_s * 1e6, ref_bw_fraction=floor / ref.seconds,
+        time_source=ffi.source if ffi.source == ref.source else f"{ffi.source}/{ref.source}", error="",
+    )
+
+
+def _num(x, digits=1) -> str:
+    if x is None or x == "":
+        return "-"
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def write_markdown(path: Path, meta: dict, cache_rows: list[dict], rows: list[dict], skipped: list[str]) -> None:
+    lines = [
+        "# Kimi-K3 MLA epilogues: FFI op vs jnp reference",
+        "",
+        f"- date: {meta['date']}; jax {jax.__version__}, jaxlib {jaxlib.__version__}, Python {platform.python_version()}",
+        f"- device: {meta['device']}; activations {jnp.dtype(DTYPE)}, block_size 64",
+        f"- time per call: {meta['time_note']}",
+        f"- copy ceiling: {meta['ceiling'] / 1e9:.1f} GB/s (jitted jnp.copy of {meta['copy_mib']} MiB, read + write bytes)",
+        "- floor = minimum bytes / copy ceiling (each input read once, each output written once, only the",
+        "  cache rows of valid slots; no q traffic in NoPE prefill); BW = floor / time, the fraction of the copy",
+        "  ceiling reached. Both ops run under jax.jit with the cache donated (with RoPE in prefill, q too).",
+        "",
+        "## Cache-size independence",
+        "",
+        f"{CACHE_CASE[0]}, B={CACHE_CASE[1]}, H={CACHE_CASE[2]}: with donation, a call touches only the rows it writes.",
+        "",
+        "| cache | FFI us | reference us |",
+        "|---:|---:|---:|",
+    ]
+    lines += [f"| {r['cache_mib']} MiB | {r['ffi'].seconds * 1e6:.1f} | {r['ref'].seconds * 1e6:.1f} |" for r in cache_rows]
+    lines += ["", "## Results", ""]
+    for name in dict.fromkeys(r["variant"] for r in rows):
+        size = "B" if name.startswith("decode") else "T"
+        plotted = any(not r["error"] for r in rows if r["variant"] == name)
+        lines += [
+            f"### {name}", "",
+            *([f"![{name}](plots/{name}.png)", ""] if plotted else []),
+            f"| H | {size} | floor us | FFI us | ref us | speedup | FFI BW | ref BW | kernels FFI/ref | wall FFI/ref us |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in (r for r in rows if r["variant"] == name):
+            if r["error"]:
+                lines.append(f"| {r['heads']} | {r['tokens']} | error: {r['error']} |" + " |" * 7)
+                continue
+            lines.append(
+                f"| {r['heads']} | {r['tokens']} | {r['floor_us']:.2f} | {r['ffi_us']:.2f} | {r['ref_us']:.2f}"
+                f" | {r['ref_us'] / r['ffi_us']:.1f}x | {100 * r['ffi_bw_fraction']:.0f}% | {100 * r['ref_bw_fraction']:.0f}%"
+                f" | {_num(r['ffi_kernels'])}/{_num(r['ref_kernels'])} | {r['ffi_wall_us']:.1f}/{r['ref_wall_us']:.1f} |"
+            )
+        lines.append("")
+    if skipped:
+        lines += ["## Not measured (time limit)", "", *[f"- {s}" for s in skipped], ""]
+    path.write_text("\n".join(lines))
+
+
+def write_plots(directory: Path, rows: list[dict], time_label: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = [r for r in rows if not r["error"]]
+    for name in dict.fromkeys(r["variant"] for r in rows):
+        mine = [r for r in rows if r["variant"] == name]
+        heads = sorted({r["heads"] for r in mine})
+        fig, axes = plt.subplots(1, len(heads), figsize=(5.5 * len(heads), 4), squeeze=False)
+        for ax, h in zip(axes[0], heads):
+            pts = sorted((r for r in mine if r["heads"] == h), key=lambda r: r["tokens"])
+            x = [r["tokens"] for r in pts]
+            ax.plot(x, [r["ffi_us"] for r in pts], "o-", label=f"FFI op ({time_label})")
+            ax.plot(x, [r["ref_us"] for r in pts], "s-", label=f"jnp reference ({time_label})")
+            ax.plot(x, [r["floor_us"] for r in pts], "k--", label="floor (min bytes / copy BW)")
+            ax.set(xscale="log", yscale="log", title=f"{name}, H={h}",
+                   xlabel="decode batch B" if name.startswith("decode") else "prefill tokens T",
+                   ylabel="time per call (us)")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(directory / f"{name}.png", dpi=110)
+        plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a handful of small sizes (CPU smoke run)")
+    parser.add_argument("--out", type=Path, help="output directory (default: benchmarks/results/<platform>[-quick])")
+    parser.add_argument("--only", help="comma-separated substrings of variant names to run, e.g. decode_kv,fp8_rope")
+    parser.add_argument("--time-limit-s", type=float, default=420.0,
+                        help="stop starting new sweep points after this many seconds; the rest is listed as not measured")
+    opts = parser.parse_args(argv)
+
+    started = time.monotonic()
+    device = jax.devices()[0]
+    out = opts.out or Path(__file__).parent / "results" / f"{device.platform}{'-quick' if opts.quick else ''}"
+    out.mkdir(parents=True, exist_ok=True)
+    heads, sizes = (QUICK_HEADS, QUICK_SIZES) if opts.quick else (HEADS, SIZES)
+    wanted = [w for w in (opts.only or "").split(",") if w]
+    variants = [v for v in VARIANTS.values() if not wanted or any(w in v.name for w in wanted)]
+    print(f"jax {jax.__version__} on {device.device_kind} ({device.platform}); writing to {out}", flush=True)
+
+    copy_bytes = QUICK_COPY_BYTES if opts.quick else COPY_BYTES
+    ceiling, copy_timing = copy_ceiling(copy_bytes)
+    print(f"copy ceiling: {ceiling / 1e9:.1f} GB/s ({copy_bytes >> 20} MiB jnp.copy, {copy_timing.source} time)", flush=True)
+    print("cache-size independence:", flush=True)
+    cache_rows = cache_size_check(QUICK_CACHE_BYTES if opts.quick else CACHE_BYTES)
+
+    rows, skipped = [], []
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        for variant in variants:
+            for h in heads:
+                for tokens in sizes[variant.phase]:
+                    point = f"{variant.name} H={h} {'B' if variant.phase == 'decode' else 'T'}={tokens}"
+                    if time.monotonic() - started > opts.time_limit_s:
+                        skipped.append(point)
+                        continue
+                    try:
+                        row = sweep_point(variant, tokens, h, ceiling)
+                    except Exception as e:  # e.g. out of memory: record it, go on
+                        message = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+                        row = dict(variant=variant.name, phase=variant.phase, cache_format=variant.cache_format,
+                                   rope=variant.rope, heads=h, tokens=tokens, error=message)
+                        print(f"{point:40} ERROR {message}", flush=True)
+                    else:
+                        print(f"{point:40} floor {row['floor_us']:9.2f} us  ffi {row['ffi_us']:9.2f} us"
+                              f" ({_num(row['ffi_kernels'])} k)  ref {row['ref_us']:9.2f} us ({_num(row['ref_kernels'])} k)"
+                              f"  [{row['time_source']}]", flush=True)
+                    rows.append(row)
+                    writer.writerow({k: row.get(k, "") for k in FIELDS})
+                    f.flush()
+
+    sources = {r["time_source"] for r in rows if not r["error"]}
+    device_timed = sources == {"device"}
+    meta = dict(
+        date=datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        device=f"{device.device_kind} ({device.platform})",
+        ceiling=ceiling, copy_mib=copy_bytes >> 20,
+        time_note=("device time, the median over the profiled calls of the summed kernel durations of one call"
+                   if device_timed else
+                   f"source {', '.join(sorted(sources)) or '-'}: 'wall' is wall clock per call (median, each call "
+                   "waited for), standing in where the profiler has no device plane (CPU)"),
+    )
+    write_markdown(out / "RESULTS.md", meta, cache_rows, rows, skipped)
+    write_plots(out / "plots", rows, "device" if device_timed else "wall")
+    failed = sum(bool(r["error"]) for r in rows)
+    print(f"done in {time.monotonic() - started:.0f} s: {len(rows) - failed} points, {failed} errors,"
+          f" {len(skipped)} not measured; see {out / 'RESULTS.md'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""``python -m jax_kimi_mla``: check every op variant against the reference, and time both.
+
+For each variant and shape the FFI op and its jnp reference run from identical inputs (cache
+and, with RoPE in prefill, q donated). Every output is compared in float32, NaN-safe; fp8
+outputs after dequantization, fp8_ds_mla caches through ``ds_mla_dequantize``. Without RoPE
+the results must match exactly; with RoPE each value may differ by one unit in the last place
+of its format (bf16/fp16, or one E4M3 step), the rounding freedom the float32 RoPE leaves.
+Times are wall clock per call under ``jax.jit`` with donation, median after warm-up.
+Exits with status 1 when any op disagrees with the reference or fails to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+from ._profile import wall_time_per_call
+from ._workloads import VARIANTS, Variant, fresh_copy, run
+from .numerics import ds_mla_dequantize
+
+# (tokens, heads): tokens is the decode batch B or the prefill length T. Kimi-K3 has 96 heads,
+# 12 per GPU at TP8.
+SHAPES = {
+    "decode": [(b, h) for h in (12, 96) for b in (1, 64, 256)],
+    "prefill": [(t, h) for h in (12, 96) for t in (1024, 8192)],
+}
+QUICK_SHAPES = {"decode": [(1, 12), (64, 96)], "prefill": [(1024, 12)]}
+# On the CPU backend prefill shapes beyond this many token-heads take too long (the reference
+# materializes float32 copies); they are skipped and listed as skipped.
+CPU_MAX_PREFILL_TOKEN_HEADS = 1024 * 96
+TIMING_BUDGET_S = 0.25  # wall time spent timing each of the op and the reference, per shape
+
+# (mantissa bits, smallest normal exponent) of the formats the outputs are rounded to.
+_FORMATS = {"bfloat16": (7, -126), "float16": (10, -14), "float8_e4m3fn": (3, -6)}
+
+
+def _ulp(x, fmt: str):
+    """One unit in the last place of |x| in ``fmt`` (the subnormal spacing near 0)."""
+    mantissa, min_exp = _FORMATS[fmt]
+    _, exp = jnp.frexp(jnp.abs(x))
+    exp = jnp.where(x == 0, min_exp, jnp.maximum(exp - 1, min_exp))
+    return jnp.ldexp(jnp.float32(1), exp - mantissa)
+
+
+def _pieces(x, scale_inv):
+    """An output as (float32 values, rounding format or None for exact, divisor to real units)."""
+    if x.dtype == jnp.uint8:  # fp8_ds_mla entries: the latent must be exact, k_pe is bf16
+        latent, k_pe = ds_mla_dequantize(x)
+        return [(latent, None, 1.0), (k_pe.astype(jnp.float32), "bfloat16", 1.0)]
+    divisor = 1.0 if scale_inv is None else jnp.reshape(scale_inv, ()).astype(jnp.float32)
+    return [(x.astype(jnp.float32), str(x.dtype), divisor)]
+
+
+def compare(variant: Variant, args: list, got, want) -> tuple[float, bool]:
+    """(max abs error in real units, every value within tolerance) over all outputs."""
+    scales = [None if i is None else args[i] for i in variant.output_scale_args]
+    worst, ok = jax.jit(functools.partial(_compare, variant.rope))(got, want, scales)
+    return float(worst), bool(ok)
+
+
+def _compare(rope: bool, got, want, scales):
+    worst, ok = jnp.float32(0), jnp.bool_(True)
+    for g, w, scale_inv in zip(got, want, scales):
+        for (a, fmt, divisor), (b, _, _) in zip(_pieces(g, scale_inv), _pieces(w, scale_inv)):
+            if not a.size:
+                continue
+            same = (a == b) | (jnp.isnan(a) & jnp.isnan(b))
+            diff = jnp.where(same, 0.0, jnp.where(jnp.isnan(a) | jnp.isnan(b), jnp.inf, jnp.abs(a - b)))
+            tolerance = _ulp(jnp.maximum(jnp.abs(a), jnp.abs(b)), fmt) if rope and fmt else 0.0
+            worst = jnp.maximum(worst, jnp.max(diff / divisor))
+            ok = ok & jnp.all(diff <= tolerance)
+    return worst, ok
+
+
+def check_and_time(variant: Variant, tokens: int, heads: int, dtype) -> dict:
+    args = variant.inputs(tokens, heads, dtype)
+    ffi_step, ref_step = variant.step(variant.op), variant.step(variant.reference)
+    ffi_args, ref_args = fresh_copy(args, variant.donated), fresh_copy(args, variant.donated)
+    # Scales and other undonated inputs are shared; compare reads them from ``args``.
+    err, ok = compare(variant, args, run(ffi_step, ffi_args, variant.donated), run(ref_step, ref_args, variant.donated))
+    return dict(err=err, ok=ok, ffi_s=_time(ffi_step, ffi_args, variant), ref_s=_time(ref_step, ref_args, variant))
+
+
+def _time(step, args, variant: Variant) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(run(step, args, variant.donated))
+    estimate = time.perf_counter() - start
+    calls = max(3, min(100, int(TIMING_BUDGET_S / max(estimate, 1e-6))))
+    return wall_time_per_call(step, args, variant.donated, calls, warmup=1)
+
+
+def _fmt_time(seconds: float) -> str:
+    return f"{seconds * 1e6:10.1f}" if seconds < 1 else f"{seconds:9.2f}s"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jax_kimi_mla", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few small shapes only")
+    parser.add_argument("--backend", choices=("cpu", "gpu"), help="default: JAX's default backend")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    opts = parser.parse_args(argv)
+
+    try:
+        device = jax.devices(opts.backend)[0] if opts.backend else jax.devices()[0]
+    except RuntimeError as e:
+        print(f"backend {opts.backend!r} is not available: {e}", file=sys.stderr)
+        return 2
+    on_cpu = device.platform == "cpu"
+    shapes = QUICK_SHAPES if opts.quick else SHAPES
+    dtype = jnp.dtype(opts.dtype)
+    print(f"jax {jax.__version__} on {device.device_kind} ({device.platform}), activations {dtype}")
+    print("prefill kv / ds_mla / fp8: fused_mla_key_concat_kv_cache_insert / fused_mla_key_concat_ds_mla_insert"
+          " / fused_mla_qkv_quant_kv_cache_fp8_insert; decode: fused_mla_decode_q_concat_kv_cache_insert")
+    print("times: wall clock per call in us, jit with the cache (and q in RoPE prefill) donated, median after warm-up\n")
+    header = f"{'op':8} {'cache':7} {'rope':4} {'shape':13} {'max err':>10} {'result':6} {'ffi us':>10} {'ref us':>10} {'speedup':>7}"
+    print(header)
+    print("-" * len(header))
+
+    failures, skipped = 0, []
+    with jax.default_device(device):
+        for variant in VARIANTS.values():
+            for tokens, heads in shapes[variant.phase]:
+                shape = f"{'B' if variant.phase == 'decode' else 'T'}={tokens} H={heads}"
+                row = f"{variant.phase:8} {variant.cache_format:7} {'on' if variant.rope else 'off':4} {shape:13}"
+                if on_cpu and variant.phase == "prefill" and tokens * heads > CPU_MAX_PREFILL_TOKEN_HEADS:
+                    skipped.append(f"{variant.name} {shape}")
+                    continue
+                try:
+                    r = check_and_time(variant, tokens, heads, dtype)
+                except Exception as e:  # report it and go on with the other variants
+                    failures += 1
+                    print(f"{row} {'':>10} ERROR  {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                    traceback.print_exc(limit=3, file=sys.stderr)
+                    continue
+                failures += not r["ok"]
+                err = f"{r['err']:10.3g}" if math.isfinite(r["err"]) else f"{r['err']:>10}"
+                print(f"{row} {err} {'PASS' if r['ok'] else 'FAIL':6} {_fmt_time(r['ffi_s'])} {_fmt_time(r['ref_s'])}"
+                      f" {r['ref_s'] / r['ffi_s']:6.1f}x", flush=True)
+    if skipped:
+        print(f"\nskipped on CPU (too slow there, run on a GPU): {', '.join(skipped)}")
+    print(f"\n{'all ops agree with the reference' if not failures else f'{failures} FAILED'}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

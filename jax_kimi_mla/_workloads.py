@@ -1,0 +1,232 @@
+"""The op variants that ``python -m jax_kimi_mla``, the benchmark and the notebooks run.
+
+``VARIANTS`` lists every FFI op x cache format x RoPE on/off with its reference. A variant builds
+fresh random inputs as one flat list of arrays (keyword arrays last, in ``keywords`` order), says
+which of them are donated and which output replaces each on the next call, and counts the bytes a
+call must move at the least::
+
+    v = VARIANTS["decode_fp8_rope"]
+    args = v.inputs(tokens=64, heads=12)
+    step = v.step(v.op)                 # jit, cache donated
+    outputs = run(step, args, v.donated)  # args now hold the new cache for the next call
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import ops, reference
+from ._checks import DS_MLA_ENTRY_BYTES, ENTRY, FP8, L, P, R, V
+from .numerics import E4M3_MAX, make_cos_sin_cache
+
+MAX_POSITION = 32768
+BLOCK_SIZE = 64  # what FlashMLA's paged cache uses
+# Standard deviations of the activations: the latent is RMS-normed, the absorbed query is larger.
+SIGMA = dict(q=1.0, k_nope=1.0, k_pe=1.0, kv_c_normed=1.0, v=1.0, ql_nope=4.0, q_pe=1.0)
+FP8_RANGE_SIGMAS = 8.0  # per-tensor fp8 scales map 8 sigma to the E4M3 maximum
+CACHE_SENTINEL_BYTE = 0x5A  # prior cache contents: finite in every cache dtype, easy to spot
+
+
+def padding_count(tokens: int) -> int:
+    """How many tokens the builder marks as padding (slot -1): a few, none for tiny batches."""
+    return min(4, tokens // 8)
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    phase: str  # "prefill" or "decode"
+    cache_format: str  # "kv" (activation dtype), "fp8" (plain float8_e4m3fn) or "ds_mla" (uint8)
+    rope: bool
+    op: Callable
+    reference: Callable
+
+    @property
+    def _fp8_prefill(self) -> bool:
+        return self.phase == "prefill" and self.cache_format == "fp8"
+
+    @property
+    def cache_index(self) -> int:
+        return 5 if self._fp8_prefill else 4
+
+    @property
+    def donated(self) -> dict[int, int]:
+        """Donated argument index -> index of the output that takes its place on the next call.
+
+        The cache always; with RoPE the bf16/fp16 prefill ops also update q in place, as they do
+        inside a model's jit where q is an intermediate (undonated, XLA would copy q first).
+        """
+        if self.phase == "decode":
+            return {4: 1}  # (mqa_q, kv_cache)
+        if self._fp8_prefill:
+            return {5: 3}  # (q_fp8, k_fp8, v_fp8, kv_cache)
+        return {0: 1, 4: 2} if self.rope else {4: 2}  # (k, q, kv_cache)
+
+    @property
+    def keywords(self) -> tuple[str, ...]:
+        """Keyword-only array arguments, passed after the positional ones in this order."""
+        scales = ("q_scale_inv", "cache_scale_inv") if self.phase == "decode" and self.cache_format == "fp8" else ()
+        return scales + (("positions", "cos_sin_cache") if self.rope else ())
+
+    @property
+    def output_scale_args(self) -> tuple[int | None, ...]:
+        """Per output: index of the float32 ``*_scale_inv`` argument it was quantized with, or None."""
+        if self._fp8_prefill:
+            return (7, 8, 9, 10)
+        if self.phase == "decode":
+            return (6, 7) if self.cache_format == "fp8" else (None, None)
+        return (None, None, None)
+
+    def positional(self, fn: Callable) -> Callable:
+        """``fn`` (the op or its reference) as a function of the flat argument list."""
+        static = {"ds_mla": True} if self.phase == "decode" and self.cache_format == "ds_mla" else {}
+        keywords = self.keywords
+
+        def call(*arrays):
+            split = len(arrays) - len(keywords)
+            return fn(*arrays[:split], **dict(zip(keywords, arrays[split:])), **static)
+
+        call.__name__ = f"{self.name}_{'ffi' if fn is self.op else 'ref'}"
+        return call
+
+    def step(self, fn: Callable) -> Callable:
+        """``fn`` jitted on the flat argument list with the donated arguments donated."""
+        return jax.jit(self.positional(fn), donate_argnums=tuple(self.donated))
+
+    def cache_dtype(self, dtype) -> jnp.dtype:
+        return jnp.dtype({"kv": dtype, "fp8": FP8, "ds_mla": jnp.uint8}[self.cache_format])
+
+    def cache_row_bytes(self, dtype=jnp.bfloat16) -> int:
+        return DS_MLA_ENTRY_BYTES if self.cache_format == "ds_mla" else ENTRY * self.cache_dtype(dtype).itemsize
+
+    def num_blocks_for(self, cache_bytes: int, dtype=jnp.bfloat16, block_size: int = BLOCK_SIZE) -> int:
+        """The number of blocks of a cache of about ``cache_bytes`` bytes."""
+        return max(1, cache_bytes // (block_size * self.cache_row_bytes(dtype)))
+
+    def inputs(self, tokens: int, heads: int, dtype=jnp.bfloat16, *, num_blocks: int | None = None,
+               block_size: int = BLOCK_SIZE, seed: int = 0) -> list:
+        """Fresh inputs as the flat argument list (``tokens`` is T for prefill, B for decode).
+
+        Normal activations, per-tensor fp8 scales as float32 arrays, a cache filled with a
+        sentinel byte, slots a random set of distinct valid rows with ``padding_count`` of them
+        -1, positions uniform in the cos/sin table. ``num_blocks`` defaults to twice the rows
+        needed (at least 16 blocks).
+        """
+        dtype = jnp.dtype(dtype)
+        if num_blocks is None:
+            num_blocks = max(16, math.ceil(2 * tokens / block_size))
+        rows = num_blocks * block_size
+        if rows < tokens:
+            raise ValueError(f"a cache of {rows} rows cannot take {tokens} distinct slots")
+        rng = np.random.default_rng(seed)
+        slots = rng.choice(rows, size=tokens, replace=False).astype(np.int32)
+        slots[rng.choice(tokens, size=padding_count(tokens), replace=False)] = -1
+        width = DS_MLA_ENTRY_BYTES if self.cache_format == "ds_mla" else ENTRY
+        cache = _sentinel_cache((num_blocks, block_size, width), self.cache_dtype(dtype))
+        T, H = tokens, heads
+        if self.phase == "decode":
+            shapes = dict(ql_nope=(T, H, L), q_pe=(T, H, R), kv_c_normed=(T, L), k_pe=(T, 1, R))
+        else:
+            shapes = dict(q=(T, H, P + R), k_nope=(T, H, P), k_pe=(T, 1, R), kv_c_normed=(T, L))
+            if self.cache_format == "fp8":
+                shapes["v"] = (T, H, V)
+        x = dict(zip(shapes, _normals(jax.random.key(seed), tuple((SIGMA[n], s) for n, s in shapes.items()), dtype)))
+
+        def scale_inv(name):
+            return jnp.float32(E4M3_MAX / (FP8_RANGE_SIGMAS * SIGMA[name]))
+
+        if self.phase == "decode":
+            args = [x["ql_nope"], x["q_pe"], x["kv_c_normed"], x["k_pe"], cache, jnp.asarray(slots)]
+            if self.cache_format == "fp8":
+                args += [scale_inv("ql_nope"), scale_inv("kv_c_normed")]
+        elif self.cache_format == "fp8":
+            args = [x["q"], x["k_nope"], x["k_pe"], x["kv_c_normed"], x["v"], cache, jnp.asarray(slots),
+                    scale_inv("q"), scale_inv("k_nope"), scale_inv("v"), scale_inv("kv_c_normed")]
+        else:
+            args = [x["q"], x["k_nope"], x["k_pe"], x["kv_c_normed"], cache, jnp.asarray(slots)]
+        if self.rope:
+            args += [jnp.asarray(rng.integers(0, MAX_POSITION, size=tokens, dtype=np.int32)), _cos_sin_cache()]
+        return args
+
+    def min_bytes(self, tokens: int, heads: int, dtype=jnp.bfloat16) -> int:
+        """The least bytes a call moves: each input read once, each output written once.
+
+        Only the cache rows of valid slots count, once, as written. Without RoPE the bf16/fp16
+        prefill ops never touch q (it comes back as is); with RoPE only q[..., 128:] is read and
+        written, in place. With RoPE each token reads its position and one cos/sin row.
+        """
+        a = jnp.dtype(dtype).itemsize
+        T, H = tokens, heads
+        fp8 = self.cache_format == "fp8"
+        if self.phase == "decode":
+            read = T * (H * (L + R) + L + R) * a + (8 if fp8 else 0)
+            write = T * H * ENTRY * (1 if fp8 else a)
+        elif fp8:
+            read = T * (H * (P + R + P + V) + L + R) * a + 16
+            write = T * H * (P + R + P + R + V)  # q, k, v in fp8
+        else:
+            read = T * (H * P + L + R) * a
+            write = T * H * (P + R) * a
+            if self.rope:
+                read += T * H * R * a
+                write += T * H * R * a
+        index = T * 4 + (T * (4 + R * 4) if self.rope else 0)
+        cache = (T - padding_count(T)) * self.cache_row_bytes(dtype)
+        return read + write + index + cache
+
+
+def run(step: Callable, args: list, donated: dict[int, int]):
+    """One call of a jitted step; the donated arguments are replaced by the outputs that alias them."""
+    outputs = step(*args)
+    for arg_index, out_index in donated.items():
+        args[arg_index] = outputs[out_index]
+    return outputs
+
+
+def fresh_copy(args: list, donated: dict[int, int]) -> list:
+    """The argument list with new buffers for the donated arguments, so that ``args`` survives."""
+    return [jnp.array(x, copy=True) if i in donated else x for i, x in enumerate(args)]
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _normals(key, sigma_shapes: tuple, dtype) -> list:
+    """sigma * standard normal arrays of the given shapes, in one compiled program per shape set."""
+    keys = jax.random.split(key, len(sigma_shapes))
+    return [sigma * jax.random.normal(k, shape, dtype) for k, (sigma, shape) in zip(keys, sigma_shapes)]
+
+
+@functools.cache
+def _cos_sin_cache() -> jax.Array:
+    return make_cos_sin_cache(MAX_POSITION)
+
+
+def _sentinel_cache(shape, dtype) -> jax.Array:
+    bits = np.full((), int.from_bytes(bytes([CACHE_SENTINEL_BYTE]) * dtype.itemsize, "little"),
+                   np.dtype(f"uint{8 * dtype.itemsize}"))
+    return jnp.full(shape, bits.view(dtype), dtype)
+
+
+def _variants() -> dict[str, Variant]:
+    table = {}
+    for phase, fmt, op, ref in (
+        ("prefill", "kv", ops.fused_mla_key_concat_kv_cache_insert, reference.fused_mla_key_concat_kv_cache_insert),
+        ("prefill", "ds_mla", ops.fused_mla_key_concat_ds_mla_insert, reference.fused_mla_key_concat_ds_mla_insert),
+        ("prefill", "fp8", ops.fused_mla_qkv_quant_kv_cache_fp8_insert, reference.fused_mla_qkv_quant_kv_cache_fp8_insert),
+        ("decode", "kv", ops.fused_mla_decode_q_concat_kv_cache_insert, reference.fused_mla_decode_q_concat_kv_cache_insert),
+        ("decode", "fp8", ops.fused_mla_decode_q_concat_kv_cache_insert, reference.fused_mla_decode_q_concat_kv_cache_insert),
+        ("decode", "ds_mla", ops.fused_mla_decode_q_concat_kv_cache_insert, reference.fused_mla_decode_q_concat_kv_cache_insert),
+    ):
+        for rope in (False, True):
+            name = f"{phase}_{fmt}_{'rope' if rope else 'nope'}"
+            table[name] = Variant(name, phase, fmt, rope, op, ref)
+    return table
+
+
+VARIANTS: dict[str, Variant] = _variants()

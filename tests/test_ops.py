@@ -1,0 +1,212 @@
+"""Every op and cache format against the jnp reference (and, without RoPE, against the spec
+written out in numpy), on each backend, jitted and eager, vmapped; on a GPU also CUDA vs CPU."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+import jax_kimi_mla
+from _util import (
+    FORMATS,
+    OUTPUTS,
+    Case,
+    addressed_rows,
+    assert_bits_equal,
+    assert_equal_nan_aware,
+    check_against_reference,
+    check_output,
+    check_untouched_rows,
+    clamped,
+    invoke,
+    jitted,
+    make_case,
+    nope_expected,
+    put,
+    run_reference,
+    to_numpy,
+    x64_if,
+)
+
+# A covering set instead of the full product: with each format, every value of every axis
+# (T, H, dtype, index dtype, RoPE, k_pe rank, jit/eager, scale shape) appears at least once, and
+# the combinations that matter most (RoPE with many heads, RoPE with int64, empty calls, all
+# slots invalid) are there explicitly.
+SHAPES = [
+    # tokens, heads, act, index, rope, k_pe_3d, mode, extra
+    (0, 12, "bf16", "int32", False, False, "jit", {}),
+    (0, 0, "fp16", "int64", True, True, "eager", {}),
+    (1, 1, "fp16", "int64", True, True, "eager", {"scale_shape": (1,)}),
+    (13, 0, "bf16", "int64", True, False, "jit", {}),
+    (13, 12, "bf16", "int32", True, True, "jit", {"slots": "all_invalid", "scale_shape": (1,)}),
+    (67, 96, "fp16", "int32", True, False, "jit", {}),
+    (67, 12, "bf16", "int32", False, True, "eager", {}),
+    (13, 1, "fp16", "int64", False, False, "jit", {}),
+]
+
+CASES = [
+    pytest.param(Case(fmt, T, H, act, index, rope, k3, **extra), mode, id=f"{fmt}-T{T}-H{H}-{act}-{index}-{'rope' if rope else 'nope'}-kpe{3 if k3 else 2}-{mode}")
+    for fmt in FORMATS
+    for T, H, act, index, rope, k3, mode, extra in SHAPES
+]
+
+
+def run_op(fmt, mode, a):
+    fn = jitted(jax_kimi_mla, fmt) if mode == "jit" else functools.partial(invoke, jax_kimi_mla, fmt)
+    return to_numpy(fn(a))
+
+
+@pytest.mark.parametrize("case,mode", CASES)
+def test_op_matches_reference(backend, case, mode):
+    a = make_case(case)
+    pristine = a["kv_cache"].copy()  # on the CPU, device arrays may share a's memory
+    with x64_if(case.index):
+        want = run_reference(case.fmt, a)
+        dev = put(a, backend)
+        got = run_op(case.fmt, mode, dev)
+        assert_bits_equal(np.asarray(dev["kv_cache"]), pristine, "the input cache after a call without donation")
+        if case.rope:  # out-of-range positions read the clamped row, whatever the backend
+            same = run_op(case.fmt, mode, put(dict(a, positions=clamped(a["positions"], case.max_position)), backend))
+            for (name, _, _), g, s in zip(OUTPUTS[case.fmt], got, same):
+                assert_bits_equal(g, s, f"{name}: out-of-range positions vs the clamped ones")
+    check_against_reference(case.fmt, got, want, case.rope, a["slot_mapping"])
+    check_untouched_rows(got[-1], pristine, a["slot_mapping"])
+    if not case.rope:
+        for (name, _, _), g, w in zip(OUTPUTS[case.fmt], got, nope_expected(case.fmt, a)):
+            assert_bits_equal(g, w, f"{case.fmt} {name} vs the spec in numpy (no RoPE: exact)")
+
+
+def _vmapped_and_batch(backend, fmt):
+    """A batch of 3 independent calls (own cache, slots, scales; shared cos/sin table) under
+    jax.vmap, and the batch's inputs."""
+    cases = [make_case(Case(fmt, 5, 2, rope=True, seed=s)) for s in range(3)]
+    for i, a in enumerate(cases):  # distinct scales per batch element
+        for name in a:
+            if name.endswith("scale_inv"):
+                a[name] = a[name] * np.float32(1 + 0.25 * i)
+    shared = {"cos_sin_cache": cases[0]["cos_sin_cache"]}
+    batched = {k: np.stack([a[k] for a in cases]) for k in cases[0] if k not in shared}
+    vmapped = jax.jit(jax.vmap(lambda b, s: invoke(jax_kimi_mla, fmt, {**b, **s}), in_axes=(0, None)))
+    return to_numpy(vmapped(put(batched, backend), put(shared, backend))), cases
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_vmap_matches_loop(backend, fmt):
+    """vmap equals the calls one by one (of the cache: the rows valid slots address)."""
+    got, cases = _vmapped_and_batch(backend, fmt)
+    for i, a in enumerate(cases):
+        one = to_numpy(jitted(jax_kimi_mla, fmt)(put(a, backend)))
+        for (name, _, _), g, w in zip(OUTPUTS[fmt], got, one):
+            g = g[i]
+            if name == "kv_cache":
+                rows = addressed_rows(a["slot_mapping"], g.shape[0] * g.shape[1])
+                g, w = g.reshape(-1, g.shape[-1])[rows], w.reshape(-1, w.shape[-1])[rows]
+            assert_bits_equal(g, w, f"vmap {fmt} {name}[{i}] vs a single call")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_vmap_keeps_untouched_rows(request, backend, fmt):
+    if backend == "cpu" and fmt in ("prefill_kv", "decode_kv"):
+        # vmap_method="sequential" carries the bf16 cache through a loop that XLA's CPU backend
+        # computes in float32: NaN payloads in rows the op never writes lose their low bits.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="XLA CPU canonicalizes bf16 NaN payloads in the vmap loop"))
+    got, cases = _vmapped_and_batch(backend, fmt)
+    for i, a in enumerate(cases):
+        check_untouched_rows(got[-1][i], a["kv_cache"], a["slot_mapping"], f"vmap {fmt} kv_cache[{i}]")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_reference_keeps_untouched_rows(backend, fmt):
+    """The oracle itself: sentinel rows (NaN payloads included) come back bit for bit."""
+    case = Case(fmt, 13, 2, rope=True)
+    a = make_case(case)
+    got = to_numpy(jitted(jax_kimi_mla.reference, fmt)(put(a, backend)))
+    check_untouched_rows(got[-1], a["kv_cache"], a["slot_mapping"], f"reference {fmt} kv_cache")
+
+
+def _row_matches(got_row, want_row, kind, rope_from, rope):
+    try:
+        check_output(got_row, want_row, kind, rope_from, rope, "row")
+    except AssertionError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_duplicate_slots(backend, fmt):
+    """Tokens sharing a slot: the CPU handler keeps the last (as the reference); on CUDA which
+    one wins is undefined, but the row must be one of the candidates' entries, not a mix."""
+    case = Case(fmt, 9, 2, rope=True)
+    a = make_case(case)
+    a["slot_mapping"] = np.array([4, 4, 9, 4, -1, 9, 2, 30, 2], np.int32)
+    got = to_numpy(jitted(jax_kimi_mla, fmt)(put(a, backend)))
+    check_untouched_rows(got[-1], a["kv_cache"], a["slot_mapping"])
+    _, kind, rope_from = OUTPUTS[fmt][-1]
+    if backend == "cpu":
+        check_against_reference(fmt, got, run_reference(fmt, a), True, a["slot_mapping"])
+        return
+    # Each token's own entry: the reference with token t alone in row t.
+    alone = run_reference(fmt, dict(a, slot_mapping=np.arange(case.tokens, dtype=np.int32)))[-1]
+    entries = alone.reshape(-1, alone.shape[-1])
+    rows = got[-1].reshape(-1, got[-1].shape[-1])
+    for slot in {4, 9, 2, 30}:
+        candidates = [t for t, s in enumerate(a["slot_mapping"]) if s == slot]
+        assert any(_row_matches(rows[slot], entries[t], kind, rope_from, True) for t in candidates), (
+            f"row {slot} is none of tokens {candidates}' entries")
+    for (name, kind, rope_from), g, w in zip(OUTPUTS[fmt][:-1], got, run_reference(fmt, a)):
+        check_output(g, w, kind, rope_from, True, f"{fmt} {name}")
+
+
+# ---------------------------------------------------------------- GPU only
+
+
+def _with_special_values(a, rng):
+    """Puts NaN, +-inf, huge, subnormal and signed-zero values into every activation input."""
+    special = np.array([np.nan, -np.nan, np.inf, -np.inf, 6e4, -6e4, 3e38, 1e-7, -1e-7, 0.0, -0.0, 448.0, 449.0, 464.0], np.float32)
+    for name, x in a.items():
+        if name in ("q", "k_nope", "k_pe", "kv_c_normed", "v", "ql_nope", "q_pe"):
+            flat = x.reshape(-1).copy()
+            where = rng.choice(flat.size, size=max(1, flat.size // 20), replace=False)
+            with np.errstate(over="ignore"):  # 3e38 becomes inf in float16, as intended
+                flat[where] = rng.choice(special, size=where.size).astype(x.dtype)
+            a[name] = flat.reshape(x.shape)
+    return a
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rope", [False, True], ids=["nope", "rope"])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("act", ["bf16", "fp16"])
+def test_cuda_matches_cpu_handler(fmt, rope, act):
+    """Same inputs (special values included) through the CUDA kernel and the CPU handler: the
+    same bits, NaN matching NaN."""
+    index = "int64" if rope else "int32"
+    case = Case(fmt, 37, 5, act, index, rope, k_pe_3d=rope)
+    a = _with_special_values(make_case(case), np.random.default_rng(1))
+    with x64_if(index):
+        gpu = to_numpy(jitted(jax_kimi_mla, fmt)(put(a, "cuda")))
+        cpu = to_numpy(jitted(jax_kimi_mla, fmt)(put(a, "cpu")))
+    for (name, _, _), g, c in zip(OUTPUTS[fmt], gpu, cpu):
+        assert_equal_nan_aware(g, c, f"{fmt} {name}: CUDA vs CPU handler")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["decode_kv", "prefill_kv"])
+def test_cuda_many_tokens(fmt):
+    """More tokens than one grid dimension holds (65535): every token is still written."""
+    case = Case(fmt, 65536 + 37, 2, block_size=64)
+    a = make_case(case)
+    got = to_numpy(jitted(jax_kimi_mla, fmt)(put(a, "cuda")))
+    for (name, _, _), g, w in zip(OUTPUTS[fmt], got, nope_expected(fmt, a)):
+        assert_bits_equal(g, w, f"{fmt} {name} with T = {case.tokens}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cuda_128_heads(fmt):
+    case = Case(fmt, 9, 128, "bf16", "int32", rope=True)
+    a = make_case(case)
+    got = to_numpy(jitted(jax_kimi_mla, fmt)(put(a, "cuda")))
+    check_against_reference(fmt, got, run_reference(fmt, a), True, a["slot_mapping"])
+    check_untouched_rows(got[-1], a["kv_cache"], a["slot_mapping"])
