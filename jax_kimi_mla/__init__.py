@@ -1,6 +1,6 @@
 """Fused Kimi-K3 MLA prefill/decode epilogues for JAX, as XLA FFI custom calls (CPU and CUDA)."""
 
-from . import reference, sharding
+from . import layer, reference, sharding
 from ._checks import columns
 from ._ffi import ABI_VERSION, HAS_CUDA_MODULE
 from .numerics import ds_mla_dequantize, make_cos_sin_cache
@@ -20,6 +20,7 @@ __all__ = [
     "fused_mla_key_concat_ds_mla_insert",
     "fused_mla_key_concat_kv_cache_insert",
     "fused_mla_qkv_quant_kv_cache_fp8_insert",
+    "layer",
     "make_cos_sin_cache",
     "reference",
     "sharding",

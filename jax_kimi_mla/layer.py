@@ -1,0 +1,341 @@
+"""A Kimi-K3 MLA attention layer in plain JAX, built on the fused epilogues.
+
+Prefill runs MLA in its non-absorbed form: per-head q [T, H, 192], k = [k_nope | k_pe] and
+v [T, H, 128], dense causal attention over the new tokens plus, for a later chunk of a prompt, over
+the sequence's cached tokens. Decode runs the absorbed form: W_UK folded into the query
+(ql_nope [B, H, 512]), MQA of mqa_q [B, H, 576] against the paged latent cache, W_UV after.
+
+The cache is paged: token t of a sequence lives in row ``slot = block * block_size + offset`` of
+``kv_cache.reshape(-1, width)``, with ``block = block_table[t // block_size]``. Formats:
+
+- ``"bf16"``: [N, bs, 576] in the activation dtype, entries [kv_c_normed | k_pe];
+- ``"fp8"``: [N, bs, 576] float8_e4m3fn with per-tensor scales; prefill attention then runs on
+  fp8 q, k, v (dequantized), decode on an fp8 mqa_q. The ``scale_inv`` values are calibration
+  constants of the layer, so they live in ``params["fp8_scale_inv"]`` (as vLLM keeps them on the
+  attention layer), not beside the cache, which stays a single donatable array;
+- ``"fp8_ds_mla"``: [N, bs, 656] uint8 entries (E4M3 latent, tile scales, bf16 k_pe).
+
+A stack of layers shares one cache [layers, N, bs, W]: pass ``layer=i`` and the ops address that
+layer's rows of the whole stacked buffer, so the donated stack is updated in place with no slice
+copied out and back (see :func:`scan_layers`).
+
+Example::
+
+    config = MLAConfig(hidden_size=1024, num_heads=8)
+    params = init_params(jax.random.key(0), config)
+    kv_cache = allocate_cache(config, num_blocks=64, block_size=16)
+    step = jax.jit(functools.partial(prefill, config=config), donate_argnums=4)
+    out, kv_cache = step(params, x, positions, slot_mapping, kv_cache)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import ops
+from ._checks import DS_MLA_ENTRY_BYTES, ENTRY, L, P, R, V, columns
+from .numerics import E4M3_MAX, ds_mla_dequantize, rope
+
+CACHE_FORMATS = ("bf16", "fp8", "fp8_ds_mla")
+SOFTMAX_SCALE = 1.0 / math.sqrt(P + R)
+# The per-tensor fp8 scales are set for |x| up to 8: activations here are O(1) by construction.
+FP8_SCALE_INV = E4M3_MAX / 8.0
+F32 = jnp.float32
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Free dimensions of the layer. The MLA widths are those of the epilogues: kv_lora_rank 512,
+    qk_nope 128, qk_rope 64, v_head 128 (``jax_kimi_mla._checks.L, P, R, V``)."""
+
+    hidden_size: int = 1024
+    num_heads: int = 8
+    q_lora_rank: int = 1536
+    cache_format: str = "bf16"
+    dtype: Any = jnp.bfloat16
+    rms_norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        if self.cache_format not in CACHE_FORMATS:
+            raise ValueError(f"cache_format must be one of {CACHE_FORMATS}, got {self.cache_format!r}")
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_layers"))
+def init_params(key, config: MLAConfig, num_layers: int | None = None):
+    """Random weights, scaled by 1/sqrt(fan_in) so every activation stays O(1).
+
+    With ``num_layers`` every leaf gets a leading [num_layers] axis (for :func:`scan_layers`).
+    """
+    if num_layers is not None:
+        return jax.vmap(lambda k: init_params(k, config))(jax.random.split(key, num_layers))
+    d, h, r, dt = config.hidden_size, config.num_heads, config.q_lora_rank, config.dtype
+    shapes = {  # name: (shape, fan_in)
+        "q_a_proj": ((d, r), d),
+        "q_b_proj": ((r, h, P + R), r),
+        "kv_a_proj": ((d, ENTRY), d),  # -> [kv_c | k_pe]
+        "kv_b_proj": ((L, h, P + V), L),  # -> [k_nope | v]: W_UK, then W_UV
+        "o_proj": ((h, V, d), h * V),
+    }
+    # One draw cut into the weights: XLA compiles one random generator instead of five.
+    sizes = [math.prod(shape) for shape, _ in shapes.values()]
+    draws = jnp.split(jax.random.normal(key, (sum(sizes),), F32), np.cumsum(sizes)[:-1])
+    params = {
+        name: (z.reshape(shape) / math.sqrt(fan_in)).astype(dt) for (name, (shape, fan_in)), z in zip(shapes.items(), draws)
+    }
+    params |= {"q_a_norm": jnp.ones((r,), dt), "kv_a_norm": jnp.ones((L,), dt)}
+    if config.cache_format == "fp8":
+        params["fp8_scale_inv"] = {n: jnp.full((), FP8_SCALE_INV, F32) for n in ("q", "k", "v", "cache")}
+    return params
+
+
+def allocate_cache(config: MLAConfig, num_blocks: int, block_size: int, num_layers: int | None = None):
+    """A zeroed paged cache [num_blocks, block_size, W] (with [num_layers] in front if given):
+    W = 576 in the activation dtype ("bf16"), 576 float8_e4m3fn ("fp8"), 656 uint8 ("fp8_ds_mla")."""
+    width, dtype = {
+        "bf16": (ENTRY, config.dtype),
+        "fp8": (ENTRY, jnp.float8_e4m3fn),
+        "fp8_ds_mla": (DS_MLA_ENTRY_BYTES, jnp.uint8),
+    }[config.cache_format]
+    lead = () if num_layers is None else (num_layers,)
+    return jnp.zeros((*lead, num_blocks, block_size, width), dtype)
+
+
+def _proj(spec, x, w):
+    return jnp.einsum(spec, x, w, preferred_element_type=F32).astype(w.dtype)
+
+
+def _rms_norm(x, w, eps):
+    x32 = x.astype(F32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps)
+    return (x32 * w.astype(F32)).astype(w.dtype)
+
+
+def _projections(params, x, config):
+    """q [T, H, 192], kv_a [T, 576] = [kv_c | k_pe] and kv_c_normed [T, 512]."""
+    q_c = _rms_norm(_proj("td,dr->tr", x, params["q_a_proj"]), params["q_a_norm"], config.rms_norm_eps)
+    q = _proj("tr,rhc->thc", q_c, params["q_b_proj"])
+    kv_a = _proj("td,de->te", x, params["kv_a_proj"])
+    kv_c_normed = _rms_norm(kv_a[:, :L], params["kv_a_norm"], config.rms_norm_eps)
+    return q, kv_a, kv_c_normed
+
+
+def _layer_rows(kv_cache, layer):
+    """(the cache as [blocks, bs, W], first row of this layer, rows per layer).
+
+    A stacked cache [layers, N, bs, W] is viewed whole as [layers * N, bs, W] (a free reshape), and
+    this layer's rows are addressed by offsetting slots, so nothing is sliced out of the stack."""
+    if layer is None:
+        return kv_cache, 0, kv_cache.shape[0] * kv_cache.shape[1]
+    rows = kv_cache.shape[1] * kv_cache.shape[2]
+    return kv_cache.reshape(-1, *kv_cache.shape[2:]), layer * rows, rows
+
+
+def _cache_slots(slot_mapping, base, rows):
+    """Slots of this layer in the stacked view; invalid ones stay invalid rather than reaching
+    into another layer."""
+    return jnp.where((slot_mapping >= 0) & (slot_mapping < rows), slot_mapping + base, -1)
+
+
+def _table_slots(block_tables, block_size):
+    """Slots [..., max_blocks * block_size] of token positions 0, 1, ... of each block table."""
+    offsets = jnp.arange(block_size, dtype=block_tables.dtype)
+    return (block_tables[..., :, None] * block_size + offsets).reshape(*block_tables.shape[:-1], -1)
+
+
+def _read_cache(cache, slots, valid, fmt, params):
+    """Entries at ``slots`` [..., S] dequantized to float32 [..., S, 576] = [latent | k_pe], and
+    zero where ``valid`` is False: rows past a sequence's length hold whatever an earlier owner
+    of the block left, NaN included, and a masked-out NaN would still poison the value sums."""
+    rows = jnp.take(cache.reshape(-1, cache.shape[-1]), slots, axis=0, mode="clip")
+    if fmt == "fp8_ds_mla":
+        latent, k_pe = ds_mla_dequantize(rows)
+        entries = jnp.concatenate([latent, k_pe.astype(F32)], -1)
+    elif fmt == "fp8":
+        entries = rows.astype(F32) / params["fp8_scale_inv"]["cache"]
+    else:
+        entries = rows.astype(F32)
+    return jnp.where(valid[..., None], entries, 0.0)
+
+
+def _softmax(scores, mask):
+    """Softmax over the last axis restricted to ``mask``; a row with no valid key gets zeros
+    (a padding token of a decode batch), not NaN."""
+    s = jnp.where(mask, scores, -jnp.inf)
+    m = jnp.max(s, -1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    total = jnp.sum(p, -1, keepdims=True)
+    return p / jnp.where(total > 0, total, 1.0)
+
+
+def _rope_kwargs(positions, cos_sin_cache):
+    return {} if cos_sin_cache is None else {"positions": positions, "cos_sin_cache": cos_sin_cache}
+
+
+def prefill(params, x, positions, slot_mapping, kv_cache, *, config, block_table=None, context_len=None, layer=None, cos_sin_cache=None):
+    """One chunk of one sequence's prompt through the layer; writes its tokens into the cache.
+
+    Args:
+      params: from :func:`init_params` (one layer's, also inside :func:`scan_layers`).
+      x: [T, hidden] activation dtype, the chunk's hidden states. Padding tokens go at the end.
+      positions: [T] int32, the tokens' positions in the sequence (used by RoPE only).
+      slot_mapping: [T] int32 cache slots; -1 for padding (not written).
+      kv_cache: [N, bs, W], or [layers, N, bs, W] with ``layer``. Donate it.
+      block_table, context_len: for a chunk after the first, the sequence's block table
+        [max_blocks] int32 and the number of its tokens already cached (an int32 scalar); the
+        chunk then also attends to those tokens, read back from the cache.
+      layer: index (may be traced) of this layer in a stacked cache.
+      cos_sin_cache: float32 [max_position, 64] turns GPT-J RoPE on; None = NoPE (Kimi-K3).
+
+    Returns:
+      (out [T, hidden] activation dtype, kv_cache). Token t attends to the cached context and to
+      the chunk's tokens 0..t, with softmax scale 1/sqrt(192).
+    """
+    fmt, act = config.cache_format, config.dtype
+    cache, base, rows = _layer_rows(kv_cache, layer)
+    slots = _cache_slots(slot_mapping, base, rows)
+    rope_kw = _rope_kwargs(positions, cos_sin_cache)
+    q, kv_a, kv_c_normed = _projections(params, x, config)
+    kv = _proj("tl,lhc->thc", kv_c_normed, params["kv_b_proj"])  # [T, H, 256] = [k_nope | v]
+    if fmt == "fp8":
+        s = params["fp8_scale_inv"]
+        q, k, v, cache = ops.fused_mla_qkv_quant_kv_cache_fp8_insert(
+            q,
+            columns(kv, 0),
+            columns(kv_a, L),
+            kv_c_normed,
+            columns(kv, P),
+            cache,
+            slots,
+            s["q"], s["k"], s["v"], s["cache"],
+            **rope_kw,
+        )
+        # Attention runs on the values the fp8 q, k, v stand for.
+        q, k, v = q.astype(F32) / s["q"], k.astype(F32) / s["k"], v.astype(F32) / s["v"]
+    else:
+        insert = ops.fused_mla_key_concat_ds_mla_insert if fmt == "fp8_ds_mla" else ops.fused_mla_key_concat_kv_cache_insert
+        k, q, cache = insert(
+            q,
+            columns(kv, 0),
+            columns(kv_a, L),
+            kv_c_normed,
+            cache,
+            slots,
+            **rope_kw,
+        )
+        q, k, v = q.astype(F32), k.astype(F32), kv[..., P:].astype(F32)
+    T = x.shape[0]
+    mask = jnp.tril(jnp.ones((T, T), bool))
+    if block_table is not None:
+        slots_ctx = _table_slots(block_table, cache.shape[1])
+        in_context = jnp.arange(slots_ctx.shape[0]) < context_len
+        ctx = _read_cache(cache, base + slots_ctx, in_context, fmt, params)  # [S, 576]
+        # k for a cached token = [k_nope from its latent | its k_pe], v from its latent.
+        ctx_kv = _proj("sl,lhc->shc", ctx[:, :L].astype(act), params["kv_b_proj"])
+        ctx_k_pe = jnp.broadcast_to(ctx[:, None, L:], (ctx.shape[0], q.shape[1], R))
+        k = jnp.concatenate([jnp.concatenate([ctx_kv[..., :P].astype(F32), ctx_k_pe], -1), k])
+        v = jnp.concatenate([ctx_kv[..., P:].astype(F32), v])
+        mask = jnp.concatenate([jnp.broadcast_to(in_context, (T, ctx.shape[0])), mask], -1)
+    p = _softmax(jnp.einsum("thc,shc->hts", q, k) * SOFTMAX_SCALE, mask)
+    o = jnp.einsum("hts,shv->thv", p, v).astype(act)
+    return _proj("thv,hvd->td", o, params["o_proj"]), cache.reshape(kv_cache.shape)
+
+
+def decode(params, x, positions, slot_mapping, block_tables, context_lens, kv_cache, *, config, layer=None, cos_sin_cache=None):
+    """One new token for each sequence of a batch: absorbed MLA over the paged cache.
+
+    Args:
+      x: [B, hidden] activation dtype. positions: [B] int32.
+      slot_mapping: [B] int32 slot of each new token; -1 for a padding row of the batch.
+      block_tables: [B, max_blocks] int32. context_lens: [B] int32, the tokens each row attends
+        to, counting the one written in this step (0 for padding rows: their output is 0).
+      kv_cache, layer, cos_sin_cache: as in :func:`prefill`.
+
+    Returns:
+      (out [B, hidden] activation dtype, kv_cache).
+    """
+    fmt, act = config.cache_format, config.dtype
+    cache, base, rows = _layer_rows(kv_cache, layer)
+    q, kv_a, kv_c_normed = _projections(params, x, config)
+    w_uk, w_uv = params["kv_b_proj"][..., :P], params["kv_b_proj"][..., P:]
+    ql_nope = _proj("bhp,lhp->bhl", q[..., :P], w_uk)
+    kw = _rope_kwargs(positions, cos_sin_cache)
+    if fmt == "fp8":
+        kw |= {"q_scale_inv": params["fp8_scale_inv"]["q"], "cache_scale_inv": params["fp8_scale_inv"]["cache"]}
+    mqa_q, cache = ops.fused_mla_decode_q_concat_kv_cache_insert(
+        ql_nope,
+        columns(q, P),
+        kv_c_normed,
+        columns(kv_a, L),
+        cache,
+        _cache_slots(slot_mapping, base, rows),
+        ds_mla=fmt == "fp8_ds_mla",
+        **kw,
+    )
+    mqa_q = mqa_q.astype(F32)
+    if fmt == "fp8":
+        mqa_q = mqa_q / params["fp8_scale_inv"]["q"]
+    slots = _table_slots(block_tables, cache.shape[1])
+    mask = jnp.arange(slots.shape[1]) < context_lens[:, None]
+    kv = _read_cache(cache, base + slots, mask, fmt, params)  # [B, S, 576]
+    p = _softmax(jnp.einsum("bhc,bsc->bhs", mqa_q, kv) * SOFTMAX_SCALE, mask[:, None, :])
+    latent = jnp.einsum("bhs,bsl->bhl", p, kv[..., :L]).astype(act)
+    o = _proj("bhl,lhv->bhv", latent, w_uv)
+    return _proj("bhv,hvd->bd", o, params["o_proj"]), cache.reshape(kv_cache.shape)
+
+
+def scan_layers(step, params, x, kv_cache, *args, **kwargs):
+    """Runs ``step`` (:func:`prefill` or :func:`decode`, with ``config`` bound) through a stack of
+    layers with ``jax.lax.scan``, residual around each: ``x = x + step(layer i)(x)``.
+
+    ``params`` are stacked (``init_params(..., num_layers=n)``), ``kv_cache`` is
+    [n, N, bs, W]; ``args`` / ``kwargs`` are the step's other arguments, shared by all layers.
+    Returns (x, kv_cache). Under ``jax.jit`` with the cache donated the stack is updated in place.
+
+    Example::
+
+        step = jax.jit(lambda p, x, c, *a: scan_layers(functools.partial(decode, config=config), p, x, c, *a),
+                       donate_argnums=2)
+    """
+    stacked = kv_cache.shape
+
+    def body(carry, layer_params_and_index):
+        h, flat = carry
+        p, i = layer_params_and_index
+        out, cache = step(p, h, *args, kv_cache=flat.reshape(stacked), layer=i, **kwargs)
+        return (h + out, cache.reshape(flat.shape)), None
+
+    # The loop carries the stack as [layers * N, bs, W]: XLA copies a loop-carried buffer that is
+    # reshaped before an in-place custom call, while these reshapes cancel against the step's own.
+    flat = kv_cache.reshape(-1, *stacked[2:])
+    (x, flat), _ = jax.lax.scan(body, (x, flat), (params, jnp.arange(stacked[0])))
+    return x, flat.reshape(stacked)
+
+
+def reference_attention(params, x, positions, *, config, cos_sin_cache=None):
+    """Naive MLA for a whole sequence from scratch, in float32: causal attention of x [S, hidden]
+    with k and v materialised for every token from the unquantized latent (no cache, no
+    absorption, no fp8). Row t is what prefill or decode must give for token t. -> [S, hidden] f32.
+    """
+    p32 = jax.tree.map(lambda a: a.astype(F32), params)
+    x = x.astype(F32)
+    q_c = _rms_norm(x @ p32["q_a_proj"], p32["q_a_norm"], config.rms_norm_eps)
+    q = jnp.einsum("tr,rhc->thc", q_c, p32["q_b_proj"])
+    kv_a = x @ p32["kv_a_proj"]
+    kv = jnp.einsum("tl,lhc->thc", _rms_norm(kv_a[:, :L], p32["kv_a_norm"], config.rms_norm_eps), p32["kv_b_proj"])
+    q_pe, k_pe = q[..., P:], kv_a[:, L:]
+    if cos_sin_cache is not None:
+        q_pe, k_pe = rope(q_pe, positions, cos_sin_cache), rope(k_pe, positions, cos_sin_cache)
+    S, H = x.shape[0], q.shape[1]
+    q = jnp.concatenate([q[..., :P], q_pe], -1)
+    k = jnp.concatenate([kv[..., :P], jnp.broadcast_to(k_pe[:, None, :], (S, H, R))], -1)
+    scores = jnp.einsum("thc,shc->hts", q, k) * SOFTMAX_SCALE
+    attn = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((S, S), bool)), scores, -jnp.inf), axis=-1)
+    o = jnp.einsum("hts,shv->thv", attn, kv[..., P:])
+    return jnp.einsum("thv,hvd->td", o, p32["o_proj"])

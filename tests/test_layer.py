@@ -1,0 +1,337 @@
+"""The MLA layer on the epilogues against a naive from-scratch reference.
+
+Prompts are prefilled (one of them in two chunks), then a batch decodes step by step over one paged
+cache, under jax.jit with the cache donated; every output is compared with
+``layer.reference_attention`` over the whole sequence. The cache starts as random bits (NaN and
+inf included), as blocks freed by earlier sequences would: the layer must not let the unused rows
+leak into its outputs, and the ops must leave them bit-for-bit alone.
+The compiled HLO is checked for in-place updates and for copies feeding the epilogues.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_kimi_mla
+from jax_kimi_mla import layer as ml
+
+HIDDEN, HEADS = 256, 4
+BLOCK, NUM_BLOCKS, MAX_BLOCKS = 8, 24, 4  # 12 of the 24 blocks are never handed out
+PROMPTS = (5, 11, 19)
+CHUNKS = {0: (5,), 1: (11,), 2: (10, 9)}  # the 19-token prompt is prefilled in two chunks
+CHUNK_PAD = 16  # every prefill chunk is padded to 16 tokens (slot -1): one compile
+DECODE_STEPS = 4
+SEQ_LEN = max(PROMPTS) + DECODE_STEPS  # 23 tokens fit in MAX_BLOCKS * BLOCK = 32
+BATCH_ROWS = (0, None, 1, 2)  # the decode batch: sequence per row, None = padding row
+MAX_POSITION = 64
+
+# Max |layer - reference| allowed per layer, outputs being O(1) (max |ref| ~ 3-4). The reference
+# is float32 with no quantization. bf16: the layer rounds to bf16 (2^-9 relative) at each
+# projection, and decode goes through the absorbed W_UK / W_UV (other rounding points); 0.015
+# measured. fp8 quantizes q, k, v and the cache to E4M3, 3 mantissa bits (up to 6% relative per
+# value): 0.11 measured. fp8_ds_mla quantizes only the cached latent, with per-tile power-of-two
+# scales: 0.07 measured. (Maxima over several seeds; the limits are about twice that. Attending
+# one token short, for comparison, is off by 0.1-0.9.) A stack of n layers adds up n layers'
+# errors plus a bf16 rounding (2^-9 relative) of the residual stream per layer.
+TOLERANCE = {"bf16": 0.03, "fp8": 0.25, "fp8_ds_mla": 0.15}
+FORMATS = ml.CACHE_FORMATS
+
+prefill_step = jax.jit(ml.prefill, static_argnames="config", donate_argnums=4)
+decode_step = jax.jit(ml.decode, static_argnames="config", donate_argnums=6)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_layers"))
+def reference(params, xs, cos_sin_cache, *, config, num_layers):
+    """Float32 reference of each sequence xs[s] [SEQ_LEN, hidden]; a stack adds a residual per layer."""
+    positions = jnp.arange(xs.shape[1], dtype=jnp.int32)
+
+    def one(p, x):
+        return ml.reference_attention(p, x, positions, config=config, cos_sin_cache=cos_sin_cache)
+
+    if num_layers is None:
+        return jax.vmap(functools.partial(one, params))(xs)
+    h = xs.astype(jnp.float32)
+    for i in range(num_layers):
+        h = h + jax.vmap(functools.partial(one, jax.tree.map(lambda a: a[i], params)))(h)
+    return h
+
+
+@functools.partial(jax.jit, static_argnames="config", donate_argnums=4)
+def stack_prefill(params, x, positions, slot_mapping, kv_cache, *, config, **kwargs):
+    step = functools.partial(ml.prefill, config=config)
+    return ml.scan_layers(step, params, x, kv_cache, positions, slot_mapping, **kwargs)
+
+
+@functools.partial(jax.jit, static_argnames="config", donate_argnums=6)
+def stack_decode(params, x, positions, slot_mapping, block_tables, context_lens, kv_cache, *, config, **kwargs):
+    step = functools.partial(ml.decode, config=config)
+    return ml.scan_layers(step, params, x, kv_cache, positions, slot_mapping, block_tables, context_lens, **kwargs)
+
+
+STEPS = {
+    ("prefill", False): prefill_step,
+    ("decode", False): decode_step,
+    ("prefill", True): stack_prefill,
+    ("decode", True): stack_decode,
+}
+
+
+def garbage_cache(config, seed, num_layers=None):
+    """A cache of random bits, so never-written rows hold NaN, inf and huge values."""
+    empty = ml.allocate_cache(config, NUM_BLOCKS, BLOCK, num_layers)
+    bits = np.random.default_rng(seed).integers(0, 256, empty.size * empty.dtype.itemsize, np.uint8)
+    return jnp.asarray(bits.view(empty.dtype).reshape(empty.shape))
+
+
+def as_bits(cache):
+    return np.asarray(jax.lax.bitcast_convert_type(cache, jnp.dtype(f"uint{8 * cache.dtype.itemsize}")))
+
+
+class Run:
+    """One scenario's data: weights, sequences, block tables; drives the jitted steps."""
+
+    def __init__(self, fmt, rope, seed, num_layers=None):
+        self.config = ml.MLAConfig(hidden_size=HIDDEN, num_heads=HEADS, cache_format=fmt)
+        self.num_layers = num_layers
+        keys = jax.random.split(jax.random.key(seed), 3)
+        self.params = ml.init_params(keys[0], self.config, num_layers)
+        # Hidden states of every token of every sequence, prompt and decoded tokens alike.
+        self.xs = jax.random.normal(keys[1], (len(PROMPTS), SEQ_LEN, HIDDEN), jnp.float32).astype(self.config.dtype)
+        self.pad_x = jax.random.normal(keys[2], (CHUNK_PAD, HIDDEN), jnp.float32).astype(self.config.dtype)
+        self.cache = garbage_cache(self.config, seed, num_layers)
+        self.initial_bits = as_bits(self.cache)
+        self.cos_sin = jax_kimi_mla.make_cos_sin_cache(MAX_POSITION) if rope else None
+        rng = np.random.default_rng(seed)
+        self.tables = rng.permutation(NUM_BLOCKS)[: len(PROMPTS) * MAX_BLOCKS].reshape(len(PROMPTS), MAX_BLOCKS).astype(np.int32)
+        self.written = []  # (layer-local) slots written so far
+        self.compiled_checked = set()
+        # The reference ignores the cache format: without it (and the fp8 scales) one compile
+        # serves every format.
+        ref_params = {k: v for k, v in self.params.items() if k != "fp8_scale_inv"}
+        ref_config = dataclasses.replace(self.config, cache_format="bf16")
+        self.expected = np.asarray(reference(ref_params, self.xs, self.cos_sin, config=ref_config, num_layers=num_layers))
+
+    def slot(self, seq, pos):
+        return int(self.tables[seq, pos // BLOCK]) * BLOCK + pos % BLOCK
+
+    def step(self, kind, x, *args, **kwargs):
+        """One jitted step with the cache donated; checks that it updates the cache in place."""
+        fn = STEPS[kind, self.num_layers is not None]
+        args = (self.params, x, *args, self.cache)
+        kwargs.update(config=self.config, cos_sin_cache=self.cos_sin)
+        if kind not in self.compiled_checked:  # compiling here fills the cache the call then uses
+            hlo = fn.lower(*args, **kwargs).compile().as_text()
+            assert_cache_in_place(hlo, self.cache)
+            assert (self.num_layers is None) or " while(" in hlo, "the layer scan was unrolled"
+            self.compiled_checked.add(kind)
+        pointer = self.cache.unsafe_buffer_pointer()
+        out, self.cache = fn(*args, **kwargs)
+        assert self.cache.unsafe_buffer_pointer() == pointer, "the donated cache was not updated in place"
+        return np.asarray(out.astype(jnp.float32))
+
+    def prefill_chunk(self, seq, start, n):
+        positions = np.zeros(CHUNK_PAD, np.int32)
+        positions[:n] = np.arange(start, start + n)
+        slots = np.full(CHUNK_PAD, -1, np.int32)
+        slots[:n] = [self.slot(seq, p) for p in range(start, start + n)]
+        x = self.pad_x.at[:n].set(self.xs[seq, start : start + n])
+        out = self.step(
+            "prefill", x, jnp.asarray(positions), jnp.asarray(slots),
+            block_table=jnp.asarray(self.tables[seq]), context_len=jnp.int32(start),
+        )
+        self.written += list(slots[:n])
+        return out[:n]
+
+    def decode(self, k):
+        rows = [(s, PROMPTS[s] + k) if s is not None else None for s in BATCH_ROWS]
+        x = jnp.stack([self.xs[r[0], r[1]] if r else self.pad_x[0] for r in rows])
+        positions = np.array([r[1] if r else 0 for r in rows], np.int32)
+        slots = np.array([self.slot(*r) if r else -1 for r in rows], np.int32)
+        # The padding row gets a real sequence's table: only context_len 0 keeps it from reading.
+        tables = np.stack([self.tables[r[0] if r else 0] for r in rows])
+        lens = np.array([r[1] + 1 if r else 0 for r in rows], np.int32)
+        out = self.step("decode", x, *map(jnp.asarray, (positions, slots, tables, lens)))
+        self.written += [s for s in slots if s >= 0]
+        return rows, x, out
+
+    def check_untouched(self):
+        """Rows no valid slot addressed keep their initial bits (in every layer of a stack)."""
+        flat_now = as_bits(self.cache).reshape(-1, NUM_BLOCKS * BLOCK, self.initial_bits.shape[-1])
+        flat_before = self.initial_bits.reshape(flat_now.shape)
+        untouched = np.setdiff1d(np.arange(NUM_BLOCKS * BLOCK), self.written)
+        np.testing.assert_array_equal(flat_now[:, untouched], flat_before[:, untouched])
+        assert not np.array_equal(flat_now, flat_before)
+
+
+def run_and_check(run):
+    residuals = run.num_layers or 0  # a single layer's output has no residual added
+    tolerance = dict(rtol=residuals * 2.0**-9, atol=max(residuals, 1) * TOLERANCE[run.config.cache_format])
+    for seq, chunks in CHUNKS.items():
+        start = 0
+        for n in chunks:
+            got = run.prefill_chunk(seq, start, n)
+            np.testing.assert_allclose(got, run.expected[seq, start : start + n], **tolerance, err_msg=f"prefill seq {seq} [{start}:{start + n}]")
+            start += n
+    for k in range(DECODE_STEPS):
+        rows, x, got = run.decode(k)
+        for i, r in enumerate(rows):
+            if r is None:  # it attends to nothing: the layer gives 0, a stack its residual input
+                want = 0.0 if run.num_layers is None else np.asarray(x[i].astype(jnp.float32))
+                np.testing.assert_array_equal(got[i], want, err_msg="padding row")
+            else:
+                np.testing.assert_allclose(got[i], run.expected[r[0], r[1]], **tolerance, err_msg=f"decode step {k}, seq {r[0]}")
+    run.check_untouched()
+
+
+@pytest.mark.parametrize(
+    "fmt, rope, seed",
+    [("bf16", False, 1), ("bf16", True, 2), ("fp8", False, 3), ("fp8_ds_mla", False, 4), ("fp8_ds_mla", True, 5)],
+)
+def test_prefill_then_decode_matches_reference(fmt, rope, seed):
+    run_and_check(Run(fmt, rope, seed))
+
+
+@pytest.mark.parametrize("fmt, rope, seed", [("fp8", True, 11), ("fp8_ds_mla", False, 12)])
+def test_scanned_layer_stack_matches_reference(fmt, rope, seed):
+    run_and_check(Run(fmt, rope, seed, num_layers=2))
+
+
+# ---- the compiled HLO --------------------------------------------------------------------------
+
+_INSTR = re.compile(r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<type>.+?) (?P<op>[\w\-]+)\((?P<args>[^)]*)\)(?P<attrs>.*)$")
+
+
+def computations(hlo):
+    """{computation name: [parsed instruction dicts]} from compiled.as_text()."""
+    comps, current = {}, None
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?%([\w.\-]+) .*\{$", line)
+        if header:
+            current = comps.setdefault(header.group(1), [])
+        elif current is not None and (m := _INSTR.match(line)):
+            current.append({**m.groupdict(), "operands": re.findall(r"%([\w.\-]+)", m.group("args"))})
+    return comps
+
+
+def fused(comps):
+    """Names of the computations that fusions call: their instructions allocate no buffers."""
+    return {c for comp in comps.values() for ins in comp if ins["op"] == "fusion" for c in re.findall(r"calls=%([\w.\-]+)", ins["attrs"])}
+
+
+def entry_cache_parameter(hlo, shape):
+    """The entry parameter number of the (only) argument of this shape and dtype."""
+    entry = hlo[hlo.index("\nENTRY ") :]
+    numbers = re.findall(rf"= {re.escape(shape)}\{{[\d,]*\}} parameter\((\d+)\)", entry)
+    assert len(numbers) == 1, numbers
+    return int(numbers[0])
+
+
+def hlo_shape(x):
+    dtype = {"bfloat16": "bf16", "float8_e4m3fn": "f8e4m3fn", "uint8": "u8"}[str(x.dtype)]
+    return f"{dtype}[{','.join(map(str, x.shape))}]"
+
+
+def assert_cache_in_place(hlo, cache):
+    """The cache parameter is aliased to an output, and nothing but parameters, bitcasts and the
+    epilogue (and the loop plumbing of a scan) produces an array the size of the cache or of one
+    layer's part of a stacked cache: no copy of it, no slice copied out of the stack."""
+    number = entry_cache_parameter(hlo, hlo_shape(cache))
+    header = hlo[: hlo.index("entry_computation_layout")]
+    assert re.search(rf"input_output_alias=\{{.*\({number}, \{{\}}, may-alias\)", header), header
+    sizes = {cache.size, cache.size // cache.shape[0] if cache.ndim == 4 else cache.size}
+    comps = computations(hlo)
+    inside_fusions = fused(comps)
+    for name, comp in comps.items():
+        if name in inside_fusions:
+            continue
+        for ins in comp:
+            dims = re.fullmatch(r"[a-z0-9]+\[([\d,]*)\]\{[\d,]*\}", ins["type"])
+            if dims and dims.group(1) and math.prod(int(d) for d in dims.group(1).split(",")) in sizes:
+                assert ins["op"] in ("parameter", "bitcast", "get-tuple-element"), f"cache-sized {ins['op']}: %{ins['name']}"
+
+
+def hidden_copies(hlo):
+    """Operands of the jax_kimi_mla custom calls that are a copy, or a fusion that only slices or
+    copies (with type conversions) a wider tensor, and feed nothing but that call: work that
+    ``jax_kimi_mla.columns`` exists to avoid. A transpose is not counted: ql_nope comes out of the
+    per-head BMM head-major and has to be laid out token-major whatever the op reads."""
+    comps = computations(hlo)
+    moving = {"parameter", "bitcast", "reshape", "convert", "slice", "dynamic-slice", "copy"}
+    found = []
+    for comp in comps.values():
+        by_name = {ins["name"]: ins for ins in comp}
+        for call in comp:
+            target = re.search(r'custom_call_target="(jax_kimi_mla_[^"]+)"', call["attrs"])
+            if call["op"] != "custom-call" or not target:
+                continue
+            for name in call["operands"]:
+                ins = by_name.get(name)
+                if ins is None or re.search(r"\[[\d,]*\b0\b[\d,]*\]", ins["type"]):  # absent or empty
+                    continue
+                users = [u for u in comp if name in u["operands"]]
+                if ins["op"] == "fusion":
+                    ops = {i["op"] for i in comps[re.search(r"calls=%([\w.\-]+)", ins["attrs"]).group(1)]}
+                    copies = ops <= moving and bool(ops & {"slice", "dynamic-slice", "copy"})
+                else:
+                    copies = ins["op"] in ("copy", "slice")
+                if copies and users == [call]:
+                    found.append(f"{target.group(1)} <- {ins['op']} %{name}")
+    return found
+
+
+def lowered_steps(fmt):
+    """Compiled HLO of the jitted prefill (with context) and decode steps (the shapes of the
+    scenarios above, so the compiles are shared)."""
+    config = ml.MLAConfig(hidden_size=HIDDEN, num_heads=HEADS, cache_format=fmt)
+    params = ml.init_params(jax.random.key(7), config)
+    cache = ml.allocate_cache(config, NUM_BLOCKS, BLOCK)
+    x = jnp.zeros((CHUNK_PAD, HIDDEN), config.dtype)
+    idx = jnp.arange(CHUNK_PAD, dtype=jnp.int32)
+    table = jnp.arange(MAX_BLOCKS, dtype=jnp.int32)
+    prefill_hlo = prefill_step.lower(
+        params, x, idx, idx, cache, block_table=table, context_len=jnp.int32(3), config=config, cos_sin_cache=None
+    ).compile().as_text()
+    b = len(BATCH_ROWS)
+    decode_hlo = decode_step.lower(
+        params, x[:b], idx[:b], idx[:b], jnp.tile(table, (b, 1)), idx[:b], cache, config=config, cos_sin_cache=None
+    ).compile().as_text()
+    return prefill_hlo, decode_hlo
+
+
+def test_hidden_copy_check_can_fail():
+    """k_pe sliced out of kv_a is a slice made only for the epilogue; columns(kv_a, 512) is not."""
+
+    def decode_insert(k_pe_of, ql_nope, q_pe, kv_c_normed, kv_a, kv_cache, slot_mapping):
+        k_pe = k_pe_of(kv_a)
+        return jax_kimi_mla.fused_mla_decode_q_concat_kv_cache_insert(ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping)
+
+    b, h, bf16 = 2, 2, jnp.bfloat16
+    args = (
+        jnp.zeros((b, h, ml.L), bf16),
+        jnp.zeros((b, h, ml.R), bf16),
+        jnp.zeros((b, ml.L), bf16),
+        jnp.zeros((b, ml.ENTRY), bf16),
+        jnp.zeros((NUM_BLOCKS, BLOCK, ml.ENTRY), bf16),
+        jnp.zeros((b,), jnp.int32),
+    )
+    ways = {"slice": lambda kv_a: kv_a[:, ml.L :], "columns": lambda kv_a: jax_kimi_mla.columns(kv_a, ml.L)}
+    found = {
+        way: hidden_copies(jax.jit(functools.partial(decode_insert, k_pe_of), donate_argnums=4).lower(*args).compile().as_text())
+        for way, k_pe_of in ways.items()
+    }
+    assert len(found["slice"]) == 1 and "decode_kv_cache" in found["slice"][0], found
+    assert found["columns"] == []
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_no_hidden_copies_feed_the_epilogues(fmt):
+    prefill_hlo, decode_hlo = lowered_steps(fmt)
+    assert hidden_copies(prefill_hlo) + hidden_copies(decode_hlo) == []
