@@ -28,11 +28,12 @@ for s in $stages; do
       stage build bash -c 'python3 -m pip install --no-build-isolation --no-deps . &&
         python3 -P -c "import jax_kimi_mla as m; assert m.HAS_CUDA_MODULE; print(\"CUDA module OK\")"' ;;
     test)
-      stage test python3 -P -m pytest -q -rs --durations=15 -p no:cacheprovider ;;
+      stage test python3 -P -m pytest -q -rfEs --durations=15 -p no:cacheprovider --continue-on-collection-errors ;;
     sanitize)
       # Hostile slots/positions, T = 0, every op and format, RoPE on and off, on the GPU.
       stage sanitize compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
-        python3 -P -m pytest -q -p no:cacheprovider -x tests/test_ops.py -k "cuda and not vmap" ;;
+        python3 -P -m pytest -q -p no:cacheprovider tests/test_ops.py \
+        -k "cuda and (test_op_matches_reference or duplicate or test_cuda_matches_cpu_handler)" ;;
     selfcheck)
       stage selfcheck python3 -P -m jax_kimi_mla ;;
     bench)
