@@ -153,6 +153,7 @@ class _Checker:
     def index(self, name: str, x):
         x = as_array(name, x)
         expect_dtype(name, x, INDEX_DTYPES)
+        x = _int64_host_indices_as_int32(name, x)
         self._tokens_match(name, x)
         expect_shape(name, x, (self.tokens,), f"[T] = [{self.tokens}]")
         return x
@@ -188,6 +189,18 @@ COLUMN_WIDTHS = {"k_nope": P, "v": V, "k_pe": R, "q_pe": R}  # the inputs that a
 def sliced(args: dict) -> dict:
     """The checked arguments with every Columns input sliced to its exact width (for the reference)."""
     return {n: x.sliced(COLUMN_WIDTHS[n]) if isinstance(x, Columns) else x for n, x in args.items()}
+
+
+def _int64_host_indices_as_int32(name: str, x):
+    """With x64 off, JAX would wrap a host int64 index into int32 (2**32 + 1 -> 1). Map values
+    outside int32 to ones with the same meaning instead: a slot -> -1 (skipped, as any slot out of
+    range), a position -> the int32 bound (clamped into the table either way)."""
+    if not isinstance(x, np.ndarray) or x.dtype != np.int64 or jax.config.jax_enable_x64:
+        return x
+    lo, hi = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+    if name == "slot_mapping":
+        return np.where((x >= lo) & (x <= hi), x, -1).astype(np.int32)
+    return np.clip(x, lo, hi).astype(np.int32)
 
 
 def scale(name: str, x):
@@ -237,11 +250,11 @@ def decode(ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, ds_mla, q_s
     cache = as_array("kv_cache", kv_cache)
     if ds_mla:
         if fp8:
-            raise ValueError("ds_mla=True stores its own per-tile scales: q_scale_inv and cache_scale_inv must be None")
-        args["kv_cache"] = c.cache(cache, UINT8, DS_MLA_ENTRY_BYTES, "ds_mla=True: the fp8_ds_mla cache")
+            raise ValueError("ds_mla=True stores its own per-tile scales: q_scale_inv and cache_scale_inv must be None, but both were given")
+        args["kv_cache"] = c.cache(cache, UINT8, DS_MLA_ENTRY_BYTES, "the fp8_ds_mla cache of ds_mla=True")
         fmt = "ds_mla"
     elif fp8:
-        args["kv_cache"] = c.cache(cache, FP8, ENTRY, "q_scale_inv/cache_scale_inv given: the plain fp8 cache")
+        args["kv_cache"] = c.cache(cache, FP8, ENTRY, "the plain fp8 cache, as q_scale_inv and cache_scale_inv were given")
         args["q_scale_inv"] = scale("q_scale_inv", q_scale_inv)
         args["cache_scale_inv"] = scale("cache_scale_inv", cache_scale_inv)
         fmt = "fp8"
@@ -249,7 +262,7 @@ def decode(ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, ds_mla, q_s
         if jnp.dtype(cache.dtype) == UINT8:
             raise TypeError("kv_cache is uint8 (an fp8_ds_mla cache?) but ds_mla=False; pass ds_mla=True")
         if jnp.dtype(cache.dtype) == FP8:
-            raise TypeError("kv_cache is float8_e4m3fn but q_scale_inv and cache_scale_inv were not given")
+            raise TypeError("kv_cache is float8_e4m3fn (the plain fp8 cache), which needs q_scale_inv and cache_scale_inv; neither was given")
         args["kv_cache"] = c.cache(cache, c.act, ENTRY, "a bf16/fp16 cache in the activation dtype")
         fmt = "kv"
     args["slot_mapping"] = c.index("slot_mapping", slot_mapping)

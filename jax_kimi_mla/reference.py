@@ -43,13 +43,20 @@ def _insert(kv_cache, rows, slot_mapping):
     return jax.lax.bitcast_convert_type(flat, kv_cache.dtype).reshape(kv_cache.shape)
 
 
-def _entry(fmt, kv_c_normed, r32, act, cache_scale_inv=None):
-    """The cache entries [T, width] of a cache format from the latent and the float32 k_pe."""
+def _rounded(x32, raw, rope, dtype):
+    """x32 rounded to ``dtype``; without RoPE, ``raw``'s own bits when it has that dtype (a copy
+    keeps every bit, NaN payloads included)."""
+    return raw if not rope and raw.dtype == dtype else x32.astype(dtype)
+
+
+def _entry(fmt, kv_c_normed, r32, k_pe, rope, cache_scale_inv=None):
+    """The cache entries [T, width] of a cache format from the latent, the float32 (RoPE'd) k_pe
+    and the input k_pe [T, 64]."""
     if fmt == "ds_mla":
-        return ds_mla_encode(kv_c_normed.astype(jnp.float32), r32.astype(jnp.bfloat16))
+        return ds_mla_encode(kv_c_normed.astype(jnp.float32), _rounded(r32, k_pe, rope, jnp.bfloat16))
     if fmt == "fp8":
         return quantize_e4m3(jnp.concatenate([kv_c_normed.astype(jnp.float32), r32], -1), cache_scale_inv)
-    return jnp.concatenate([kv_c_normed, r32.astype(act)], -1)
+    return jnp.concatenate([kv_c_normed, _rounded(r32, k_pe, rope, kv_c_normed.dtype)], -1)
 
 
 def _prefill(fmt, q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache):
@@ -59,13 +66,14 @@ def _prefill(fmt, q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, position
     a = _checks.sliced(a)
     T, H = checked.tokens, checked.heads
     r32 = _rotated_k_pe(a["k_pe"], checked, a["positions"], a["cos_sin_cache"])
-    r = r32.astype(checked.act)  # exact without RoPE: a widened input narrows back to itself
+    k_pe = a["k_pe"].reshape(T, _checks.R)
+    r = _rounded(r32, k_pe, checked.rope, checked.act)
     k = jnp.concatenate([a["k_nope"], jnp.broadcast_to(r[:, None, :], (T, H, _checks.R))], -1)
     q = a["q"]
     if checked.rope:
         q_pe = rope(q[..., P:].astype(jnp.float32), a["positions"], a["cos_sin_cache"])
         q = jnp.concatenate([q[..., :P], q_pe.astype(checked.act)], -1)
-    cache = _insert(a["kv_cache"], _entry(fmt, a["kv_c_normed"], r32, checked.act), a["slot_mapping"])
+    cache = _insert(a["kv_cache"], _entry(fmt, a["kv_c_normed"], r32, k_pe, checked.rope), a["slot_mapping"])
     return k, q, cache
 
 
@@ -97,7 +105,7 @@ def fused_mla_qkv_quant_kv_cache_fp8_insert(
     q_fp8 = quantize_e4m3(q32, scales[0])
     k_fp8 = quantize_e4m3(k32, scales[1])
     v_fp8 = quantize_e4m3(a["v"].astype(jnp.float32), scales[2])
-    cache = _insert(a["kv_cache"], _entry("fp8", a["kv_c_normed"], r32, checked.act, scales[3]), a["slot_mapping"])
+    cache = _insert(a["kv_cache"], _entry("fp8", a["kv_c_normed"], r32, a["k_pe"].reshape(T, _checks.R), checked.rope, scales[3]), a["slot_mapping"])
     return q_fp8, k_fp8, v_fp8, cache
 
 
@@ -116,6 +124,7 @@ def fused_mla_decode_q_concat_kv_cache_insert(
     if fmt == "fp8":
         mqa_q = quantize_e4m3(jnp.concatenate([a["ql_nope"].astype(jnp.float32), q_pe32], -1), a["q_scale_inv"])
     else:
-        mqa_q = jnp.concatenate([a["ql_nope"], q_pe32.astype(checked.act)], -1)
-    cache = _insert(a["kv_cache"], _entry(fmt, a["kv_c_normed"], r32, checked.act, a.get("cache_scale_inv")), a["slot_mapping"])
+        mqa_q = jnp.concatenate([a["ql_nope"], _rounded(q_pe32, a["q_pe"], checked.rope, checked.act)], -1)
+    k_pe = a["k_pe"].reshape(checked.tokens, _checks.R)
+    cache = _insert(a["kv_cache"], _entry(fmt, a["kv_c_normed"], r32, k_pe, checked.rope, a.get("cache_scale_inv")), a["slot_mapping"])
     return mqa_q, cache

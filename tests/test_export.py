@@ -91,9 +91,12 @@ def test_exported_step_round_trips_and_matches_the_direct_call(fmt, platforms):
     blob = exported.serialize()
     assert isinstance(blob, (bytes, bytearray)) and blob
     restored = jax.export.deserialize(blob)
-    inputs = make_inputs(fmt, seed=1)  # other data than the export was traced with
-    got = jax.jit(restored.call)(*inputs)
-    want = jax.jit(lambda p, d, cs: step(fmt, p, d, cs))(*inputs)
+    # A CPU-only export runs on the CPU; the two-platform one on the default device (a GPU there).
+    device = jax.devices("cpu")[0] if platforms == ("cpu",) else jax.devices()[0]
+    with jax.default_device(device):
+        inputs = make_inputs(fmt, seed=1)  # other data than the export was traced with
+        got = jax.jit(restored.call)(*inputs)
+        want = jax.jit(lambda p, d, cs: step(fmt, p, d, cs))(*inputs)
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and g.shape == w.shape

@@ -110,7 +110,8 @@ def test_vmap_keeps_untouched_rows(request, backend, fmt):
     if backend == "cpu" and fmt in ("prefill_kv", "decode_kv"):
         # vmap_method="sequential" carries the bf16 cache through a loop that XLA's CPU backend
         # computes in float32: NaN payloads in rows the op never writes lose their low bits.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="XLA CPU canonicalizes bf16 NaN payloads in the vmap loop"))
+        # (seen with jax 0.10.2; jax 0.11.2 keeps them, hence not strict)
+        request.applymarker(pytest.mark.xfail(strict=False, reason="XLA CPU canonicalizes bf16 NaN payloads in the vmap loop"))
     got, cases = _vmapped_and_batch(backend, fmt)
     for i, a in enumerate(cases):
         check_untouched_rows(got[-1][i], a["kv_cache"], a["slot_mapping"], f"vmap {fmt} kv_cache[{i}]")
@@ -125,35 +126,32 @@ def test_reference_keeps_untouched_rows(backend, fmt):
     check_untouched_rows(got[-1], a["kv_cache"], a["slot_mapping"], f"reference {fmt} kv_cache")
 
 
-def _row_matches(got_row, want_row, kind, rope_from, rope):
-    try:
-        check_output(got_row, want_row, kind, rope_from, rope, "row")
-    except AssertionError:
-        return False
-    return True
+def _words(row):
+    return np.ascontiguousarray(row).view(np.uint8).view(np.uint32)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_duplicate_slots(backend, fmt):
-    """Tokens sharing a slot: the CPU handler keeps the last (as the reference); on CUDA which
-    one wins is undefined, but the row must be one of the candidates' entries, not a mix."""
+    """Tokens sharing a slot: the CPU handler keeps the last (as the reference). On CUDA the
+    tokens' threads race and each store lands whole (16, 8 or 4 bytes), so every 4-byte word of
+    the row is the same word of one of the candidates' entries (the row may mix candidates)."""
     case = Case(fmt, 9, 2, rope=True)
     a = make_case(case)
     a["slot_mapping"] = np.array([4, 4, 9, 4, -1, 9, 2, 30, 2], np.int32)
     got = to_numpy(jitted(jax_kimi_mla, fmt)(put(a, backend)))
     check_untouched_rows(got[-1], a["kv_cache"], a["slot_mapping"])
-    _, kind, rope_from = OUTPUTS[fmt][-1]
     if backend == "cpu":
         check_against_reference(fmt, got, run_reference(fmt, a), True, a["slot_mapping"])
         return
-    # Each token's own entry: the reference with token t alone in row t.
-    alone = run_reference(fmt, dict(a, slot_mapping=np.arange(case.tokens, dtype=np.int32)))[-1]
+    # Each token's own entry, from the same kernel: token t alone in row t.
+    alone = to_numpy(jitted(jax_kimi_mla, fmt)(put(dict(a, slot_mapping=np.arange(case.tokens, dtype=np.int32)), backend)))[-1]
     entries = alone.reshape(-1, alone.shape[-1])
     rows = got[-1].reshape(-1, got[-1].shape[-1])
     for slot in {4, 9, 2, 30}:
         candidates = [t for t, s in enumerate(a["slot_mapping"]) if s == slot]
-        assert any(_row_matches(rows[slot], entries[t], kind, rope_from, True) for t in candidates), (
-            f"row {slot} is none of tokens {candidates}' entries")
+        words = np.stack([_words(entries[t]) for t in candidates])
+        from_a_candidate = (words == _words(rows[slot])[None]).any(axis=0)
+        assert from_a_candidate.all(), f"row {slot}: words {np.flatnonzero(~from_a_candidate)[:8]} are no candidate's ({candidates})"
     for (name, kind, rope_from), g, w in zip(OUTPUTS[fmt][:-1], got, run_reference(fmt, a)):
         check_output(g, w, kind, rope_from, True, f"{fmt} {name}")
 

@@ -35,8 +35,8 @@ def _round_up(x: int, d: int) -> int:
 @dataclass(frozen=True)
 class DeviceSet:
     """The devices of one platform that a test shards over, and the problem sizes derived from
-    their number D: at least 16 tokens, 8 heads and 16 cache blocks of BS rows, each a multiple
-    of D (on 8 CPUs: 2 tokens, 1 head, 2 cache blocks = 8 rows per device; on 2 GPUs: 8, 4, 8)."""
+    their number D: at least 16 tokens and 16 cache blocks of BS rows, each a multiple of D,
+    and 2 heads per device (on 8 CPUs: 2 tokens, 2 heads, 2 cache blocks = 8 rows per device)."""
 
     devices: tuple
 
@@ -50,7 +50,9 @@ class DeviceSet:
 
     @property
     def H(self) -> int:
-        return _round_up(8, self.D)
+        # Two heads per device: a device's mqa_q [T, H/D, 576] then never has the cache's
+        # per-device shape [N, BS, 576], which would let jax pair the donated cache with mqa_q.
+        return 2 * self.D
 
     @property
     def N(self) -> int:

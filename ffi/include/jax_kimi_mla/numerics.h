@@ -1,8 +1,10 @@
 // The numerics of the epilogues, written once for host (CPU handlers) and device (CUDA kernels).
 //
 // Every conversion here is integer bit arithmetic or a single IEEE operation, so the CPU and the
-// GPU produce bit-identical results, NaN payloads included. The one exception is the E4M3 pair
-// converter on the GPU (a hardware instruction); e4m3_encode() documents why it agrees.
+// GPU produce bit-identical results. A NaN that goes through arithmetic or a conversion comes out
+// as the canonical quiet NaN of the output format (the GPU's arithmetic does not keep NaN signs
+// or payloads, x86's does); values that are only copied keep their bits. The E4M3 pair converter
+// on the GPU is a hardware instruction; e4m3_encode_pair() says why it agrees.
 #pragma once
 
 #include <cmath>
@@ -72,9 +74,12 @@ JKM_HD float fma_rn(float a, float b, float c) {
 
 JKM_HD float bf16_to_f32(uint16_t h) { return f32_from_bits(uint32_t(h) << 16); }
 
+inline constexpr uint16_t kBf16NaN = 0x7FC0u, kF16NaN = 0x7E00u;
+inline constexpr uint8_t kE4m3NaN = 0x7Fu;
+
 JKM_HD uint16_t f32_to_bf16(float f) {
   uint32_t x = f32_bits(f);
-  if ((x & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((x >> 16) | 0x0040u);
+  if ((x & 0x7FFFFFFFu) > 0x7F800000u) return kBf16NaN;
   return uint16_t((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
 }
 
@@ -99,7 +104,7 @@ JKM_HD uint16_t f32_to_f16(float f) {
   uint32_t x = f32_bits(f);
   uint16_t sign = uint16_t((x >> 16) & 0x8000u);
   uint32_t a = x & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return uint16_t(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
+  if (a > 0x7F800000u) return kF16NaN;
   if (a >= 0x477FF000u) return uint16_t(sign | 0x7C00u);  // >= 65520 rounds to inf
   if (a >= 0x38800000u) {                                 // normal half (>= 2^-14)
     uint32_t r = a + 0xFFFu + ((a >> 13) & 1u);
@@ -118,7 +123,7 @@ JKM_HD uint8_t e4m3_encode_soft(float f) {
   uint32_t x = f32_bits(f);
   uint8_t sign = uint8_t((x >> 24) & 0x80u);
   uint32_t a = x & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return uint8_t(sign | 0x7Fu);
+  if (a > 0x7F800000u) return kE4m3NaN;
   if (a >= 0x43E00000u) return uint8_t(sign | 0x7Eu);  // |x| >= 448, inf included
   if (a >= 0x3C800000u) {                              // normal e4m3 (>= 2^-6)
     uint32_t r = a + 0x7FFFFu + ((a >> 20) & 1u);
@@ -131,12 +136,12 @@ JKM_HD uint8_t e4m3_encode_soft(float f) {
 
 // Quantizes two floats that were already multiplied by the scale inverse. On the GPU the
 // hardware pair converter (cvt.rn.satfinite.e4m3x2.f32) rounds and saturates exactly as the
-// reference encoder does; only its NaN code differs, so NaN lanes take the reference's code.
+// reference encoder does; NaN lanes are given the canonical NaN code explicitly.
 JKM_HD uint16_t e4m3_encode_pair(float lo, float hi) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   uint16_t pair = __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
-  if (lo != lo) pair = uint16_t((pair & 0xFF00u) | e4m3_encode_soft(lo));
-  if (hi != hi) pair = uint16_t((pair & 0x00FFu) | (uint16_t(e4m3_encode_soft(hi)) << 8));
+  if (lo != lo) pair = uint16_t((pair & 0xFF00u) | kE4m3NaN);
+  if (hi != hi) pair = uint16_t((pair & 0x00FFu) | (kE4m3NaN << 8));
   return pair;
 #else
   return uint16_t(e4m3_encode_soft(lo) | (uint16_t(e4m3_encode_soft(hi)) << 8));
@@ -160,8 +165,12 @@ JKM_HD float ds_mla_tile_scale(float amax) {
   return f32_from_bits(b);
 }
 
-// |x| folded into a running maximum; NaN is ignored (fmaxf returns the non-NaN operand).
-JKM_HD float amax_fold(float amax, float x) { return fmaxf(amax, fabsf(x)); }
+// |x| folded into a running maximum. NaN is ignored: a comparison with NaN is false. (fmaxf is
+// not used: for a signalling NaN, IEEE maxNum and some libms return NaN.)
+JKM_HD float amax_fold(float amax, float x) {
+  const float a = fabsf(x);
+  return a > amax ? a : amax;
+}
 
 // ---- Bounds: what an index may address ----
 
