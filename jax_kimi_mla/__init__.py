@@ -1,6 +1,6 @@
 """Fused Kimi-K3 MLA prefill/decode epilogues for JAX, as XLA FFI custom calls (CPU and CUDA)."""
 
-from . import layer, reference, sharding
+from . import debug, layer, reference, sharding
 from ._checks import columns
 from ._ffi import ABI_VERSION, HAS_CUDA_MODULE
 from .numerics import ds_mla_dequantize, make_cos_sin_cache
@@ -13,6 +13,7 @@ from .ops import (
 
 __all__ = [
     "ABI_VERSION",
+    "debug",
     "HAS_CUDA_MODULE",
     "columns",
     "ds_mla_dequantize",

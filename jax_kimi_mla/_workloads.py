@@ -67,7 +67,7 @@ class Variant:
             return {4: 1}  # (mqa_q, kv_cache)
         if self._fp8_prefill:
             return {5: 3}  # (q_fp8, k_fp8, v_fp8, kv_cache)
-        return {0: 1, 4: 2} if self.rope else {4: 2}  # (k, q, kv_cache)
+        return {0: 0, 4: 2} if self.rope else {4: 1}  # see step(): (q, k, kv_cache) / (k, kv_cache)
 
     @property
     def keywords(self) -> tuple[str, ...]:
@@ -82,7 +82,7 @@ class Variant:
             return (7, 8, 9, 10)
         if self.phase == "decode":
             return (6, 7) if self.cache_format == "fp8" else (None, None)
-        return (None, None, None)
+        return (None, None, None) if self.rope else (None, None)
 
     def positional(self, fn: Callable) -> Callable:
         """``fn`` (the op or its reference) as a function of the flat argument list."""
@@ -97,8 +97,23 @@ class Variant:
         return call
 
     def step(self, fn: Callable) -> Callable:
-        """``fn`` jitted on the flat argument list with the donated arguments donated."""
-        return jax.jit(self.positional(fn), donate_argnums=tuple(self.donated))
+        """``fn`` jitted on the flat argument list with the donated arguments donated.
+
+        The bf16/ds_mla prefill steps reorder the op's (k, q, kv_cache) as a model's step would see
+        them: jax gives a donated argument the first output of its shape, so a donated q must come
+        before k [T, H, 192] (else XLA copies q); without RoPE q is returned unchanged and is left
+        out (returning an undonated input from a jit makes XLA copy it).
+        """
+        call = self.positional(fn)
+        if self.phase == "prefill" and not self._fp8_prefill:
+            inner = call
+
+            def call(*arrays):
+                k, q, cache = inner(*arrays)
+                return (q, k, cache) if self.rope else (k, cache)
+
+            call.__name__ = inner.__name__
+        return jax.jit(call, donate_argnums=tuple(self.donated))
 
     def cache_dtype(self, dtype) -> jnp.dtype:
         return jnp.dtype({"kv": dtype, "fp8": FP8, "ds_mla": jnp.uint8}[self.cache_format])

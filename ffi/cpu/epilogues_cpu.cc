@@ -7,20 +7,24 @@
 namespace jax_kimi_mla {
 namespace {
 
-void write_ds_mla_entry(const Epilogue& e, int64_t t, int64_t row, const float* rope_row) {
+void write_ds_mla_entry(const Epilogue& e, int64_t t, int64_t row) {
   uint8_t* entry = ds_mla_entry(e, row);
   for (int tile = 0; tile < kLatent / kDsMlaTile; ++tile) {
     float v[kTileChunks][kChunk];
     float amax = 0.0f;
     for (int c = 0; c < kTileChunks; ++c) {
-      chunk_values(e, e.cache, t, 0, tile * kTileChunks + c, nullptr, v[c]);
+      chunk_values(e, e.cache, t, 0, tile * kTileChunks + c, v[c]);
       for (float x : v[c]) amax = amax_fold(amax, x);
     }
     const float s = ds_mla_tile_scale(amax);
     for (int c = 0; c < kTileChunks; ++c) store_ds_mla_latent(entry, tile * kTileChunks + c, v[c], s);
     store_ds_mla_scale(entry, tile, s);
   }
-  for (int j = 0; j < kRopeChunks; ++j) store_ds_mla_pe(entry, j, make_ds_mla_pe(e, t, j, rope_row));
+  for (int j = 0; j < kRopeChunks; ++j) store16(ds_mla_pe_dst(entry, j), make_ds_mla_pe(e, t, j));
+}
+
+void emit(const RowSpec& r, int64_t out_elem, int c, const Raw16& chunk) {
+  store_chunk(chunk_dst(r, out_elem, c), chunk, r.scale_inv != nullptr);
 }
 
 void run(const Plan& plan) {
@@ -28,19 +32,18 @@ void run(const Plan& plan) {
     std::memcpy(plan.copies[i].dst, plan.copies[i].src, plan.copies[i].bytes);
   const Epilogue& e = plan.e;
   for (int64_t t = 0; t < e.tokens; ++t) {
-    const float* rope_row = e.rope_row(t);
     const int64_t row = e.cache_row(t);
     if (row >= 0 && e.cache_format == CacheFormat::kDsMla) {
-      write_ds_mla_entry(e, t, row, rope_row);
+      write_ds_mla_entry(e, t, row);
     } else if (row >= 0) {
       for (int c = 0; c < kCacheChunks; ++c)
-        store_chunk(e.cache, row * e.cache.out_t, c, make_chunk(e, e.cache, t, 0, c, rope_row));
+        emit(e.cache, row * e.cache.out_t, c, make_chunk(e, e.cache, t, 0, c));
     }
     for (int64_t h = 0; h < e.heads; ++h)
       for (int r = 0; r < e.num_head_rows; ++r) {
         const RowSpec& spec = e.head_rows[r];
         for (int c = 0; c < spec.chunks(); ++c)
-          store_chunk(spec, t * spec.out_t + h * spec.out_h, c, make_chunk(e, spec, t, h, c, rope_row));
+          emit(spec, t * spec.out_t + h * spec.out_h, c, make_chunk(e, spec, t, h, c));
       }
   }
 }

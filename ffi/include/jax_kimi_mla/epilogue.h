@@ -135,36 +135,36 @@ JKM_HD void e4m3x8(const float v[kChunk], float mult, uint32_t w[2]) {
   }
 }
 
-// Where chunk c of row r for (t, h) is read from, and the cos/sin row it is rotated by (null for
-// nope chunks and without RoPE). Returns the pe chunk index through *pe_chunk.
-JKM_HD const uint16_t* chunk_source(const RowSpec& r, int64_t t, int64_t h, int c,
-                                    const float* rope_row, const float** rotate_by, int* pe_chunk) {
+// Where chunk c of row r for (t, h) is read from, and the cos/sin row it is rotated by: null for
+// nope chunks and without RoPE, so only pe chunks load the token's position. Returns the pe chunk
+// index through *pe_chunk.
+JKM_HD const uint16_t* chunk_source(const Epilogue& e, const RowSpec& r, int64_t t, int64_t h,
+                                    int c, const float** rotate_by, int* pe_chunk) {
   if (c < r.nope_chunks) {
     *rotate_by = nullptr;
     return r.nope + t * r.nope_t + h * r.nope_h + int64_t(c) * kChunk;
   }
   *pe_chunk = c - r.nope_chunks;
-  *rotate_by = rope_row;
+  *rotate_by = e.rope_row(t);
   return r.pe + t * r.pe_t + h * r.pe_h + int64_t(*pe_chunk) * kChunk;
 }
 
 // The float32 values of chunk c, RoPE'd when it is a pe chunk and RoPE is on.
 JKM_HD void chunk_values(const Epilogue& e, const RowSpec& r, int64_t t, int64_t h, int c,
-                         const float* rope_row, float v[kChunk]) {
+                         float v[kChunk]) {
   const float* rotate_by;
   int pe_chunk = 0;
-  widen8(e.act, load16(chunk_source(r, t, h, c, rope_row, &rotate_by, &pe_chunk)), v);
+  widen8(e.act, load16(chunk_source(e, r, t, h, c, &rotate_by, &pe_chunk)), v);
   if (rotate_by != nullptr) rope8(rotate_by, pe_chunk, v);
 }
 
 // Chunk c of a row whose output is in the activation dtype (16 bytes) or in plain E4M3 (the first
 // 8 bytes). Unrotated activation chunks are the input bits themselves. Computing a chunk and
-// storing it are separate so that a kernel can issue its loads before it knows where to store.
-JKM_HD Raw16 make_chunk(const Epilogue& e, const RowSpec& r, int64_t t, int64_t h, int c,
-                        const float* rope_row) {
+// storing it are separate so that a kernel can issue its loads before it stores anything.
+JKM_HD Raw16 make_chunk(const Epilogue& e, const RowSpec& r, int64_t t, int64_t h, int c) {
   const float* rotate_by;
   int pe_chunk = 0;
-  const Raw16 raw = load16(chunk_source(r, t, h, c, rope_row, &rotate_by, &pe_chunk));
+  const Raw16 raw = load16(chunk_source(e, r, t, h, c, &rotate_by, &pe_chunk));
   if (rotate_by == nullptr && r.scale_inv == nullptr) return raw;
   float v[kChunk];
   widen8(e.act, raw, v);
@@ -175,13 +175,18 @@ JKM_HD Raw16 make_chunk(const Epilogue& e, const RowSpec& r, int64_t t, int64_t 
   return codes;
 }
 
-// `out_elem` is the element offset of the output row.
-JKM_HD void store_chunk(const RowSpec& r, int64_t out_elem, int c, const Raw16& chunk) {
-  const int64_t dst = out_elem + int64_t(c) * kChunk;
-  if (r.scale_inv != nullptr)
-    store8(static_cast<uint8_t*>(r.out) + dst, chunk.w[0], chunk.w[1]);
+// Where chunk c of an output row starting at element `out_elem` goes, and how wide it is.
+JKM_HD void* chunk_dst(const RowSpec& r, int64_t out_elem, int c) {
+  const int64_t i = out_elem + int64_t(c) * kChunk;
+  if (r.scale_inv != nullptr) return static_cast<uint8_t*>(r.out) + i;
+  return static_cast<uint16_t*>(r.out) + i;
+}
+
+JKM_HD void store_chunk(void* dst, const Raw16& chunk, bool e4m3) {
+  if (e4m3)
+    store8(dst, chunk.w[0], chunk.w[1]);
   else
-    store16(static_cast<uint16_t*>(r.out) + dst, chunk);
+    store16(dst, chunk);
 }
 
 // ---- the fp8_ds_mla entry ----
@@ -205,16 +210,14 @@ JKM_HD void store_ds_mla_scale(uint8_t* entry, int tile, float s) {
 
 // pe chunk j (0..7) of the entry: bfloat16 from the float32 value, or the bf16 bits themselves
 // when nothing changes them.
-JKM_HD Raw16 make_ds_mla_pe(const Epilogue& e, int64_t t, int j, const float* rope_row) {
+JKM_HD Raw16 make_ds_mla_pe(const Epilogue& e, int64_t t, int j) {
   const RowSpec& r = e.cache;
-  if (rope_row == nullptr && e.act == ActType::kBF16) return load16(r.pe + t * r.pe_t + j * kChunk);
+  if (e.cos_sin == nullptr && e.act == ActType::kBF16) return load16(r.pe + t * r.pe_t + j * kChunk);
   float v[kChunk];
-  chunk_values(e, r, t, 0, r.nope_chunks + j, rope_row, v);
+  chunk_values(e, r, t, 0, r.nope_chunks + j, v);
   return narrow8(true, v);
 }
 
-JKM_HD void store_ds_mla_pe(uint8_t* entry, int j, const Raw16& chunk) {
-  store16(entry + kDsMlaPeOffset + j * kChunk * 2, chunk);
-}
+JKM_HD uint8_t* ds_mla_pe_dst(uint8_t* entry, int j) { return entry + kDsMlaPeOffset + j * kChunk * 2; }
 
 }  // namespace jax_kimi_mla
