@@ -3,8 +3,8 @@
 For each variant and shape the FFI op and its jnp reference run from identical inputs (cache
 and, with RoPE in prefill, q donated). Every output is compared in float32, NaN-safe; fp8
 outputs after dequantization, fp8_ds_mla caches through ``ds_mla_dequantize``. Without RoPE
-the results must match exactly; with RoPE each value may differ by one unit in the last place
-of its format (bf16/fp16, or one E4M3 step), the rounding freedom the float32 RoPE leaves.
+the results must match exactly; with RoPE each value may differ by ROPE_ULPS units in the last
+place of its format (bf16/fp16, or E4M3 steps), the rounding freedom the float32 RoPE leaves.
 Times are wall clock per call under ``jax.jit`` with donation, median after warm-up.
 Exits with status 1 when any op disagrees with the reference or fails to run.
 """
@@ -36,6 +36,12 @@ QUICK_SHAPES = {"decode": [(1, 12), (64, 96)], "prefill": [(1024, 12)]}
 # materializes float32 copies); they are skipped and listed as skipped.
 CPU_MAX_PREFILL_TOKEN_HEADS = 1024 * 96
 TIMING_BUDGET_S = 0.25  # wall time spent timing each of the op and the reference, per shape
+
+# RoPE'd values may differ from the reference by this many units in the last place: one on the
+# CPU (XLA rounds x0*c - x1*s its own way, the kernel uses an FMA). XLA:GPU's reference was seen
+# 2 ulps from the kernel (H200, jax 0.11.2), while the kernel is bit-identical to the CPU handler
+# and within 1 ulp of the CPU reference (tests/test_ops.py), so the GPU reference gets 2.
+ROPE_ULPS = 1 if jax.default_backend() == "cpu" else 2
 
 # (mantissa bits, smallest normal exponent) of the formats the outputs are rounded to.
 _FORMATS = {"bfloat16": (7, -126), "float16": (10, -14), "float8_e4m3fn": (3, -6)}
@@ -73,7 +79,7 @@ def _compare(rope: bool, got, want, scales):
                 continue
             same = (a == b) | (jnp.isnan(a) & jnp.isnan(b))
             diff = jnp.where(same, 0.0, jnp.where(jnp.isnan(a) | jnp.isnan(b), jnp.inf, jnp.abs(a - b)))
-            tolerance = _ulp(jnp.maximum(jnp.abs(a), jnp.abs(b)), fmt) if rope and fmt else 0.0
+            tolerance = ROPE_ULPS * _ulp(jnp.maximum(jnp.abs(a), jnp.abs(b)), fmt) if rope and fmt else 0.0
             worst = jnp.maximum(worst, jnp.max(diff / divisor))
             ok = ok & jnp.all(diff <= tolerance)
     return worst, ok

@@ -175,7 +175,7 @@ def test_nonfinite_input(backend, fmt, rope, name, act, kind):
 @pytest.mark.parametrize(
     "act",
     [
-        pytest.param("bf16", marks=pytest.mark.xfail(strict=True, reason=(
+        pytest.param("bf16", marks=pytest.mark.xfail(strict=False, reason=("seen with jax 0.10.2 CPU, not 0.11.2: "
             "XLA on CPU canonicalizes bf16 NaNs in concatenate (payload and quiet bit lost), so "
             "the reference's k, mqa_q and cache rows are not bit-exact copies of NaN input"))),
         "fp16",
