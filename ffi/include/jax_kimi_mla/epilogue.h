@@ -107,24 +107,13 @@ JKM_HD void widen8(ActType act, const Raw16& raw, float v[kChunk]) {
     v[i] = act == ActType::kBF16 ? bf16_to_f32(half_word(raw, i)) : f16_to_f32(half_word(raw, i));
 }
 
-// Four consecutive float32 values (16-byte aligned: rows of the cos/sin table are 256 bytes).
-JKM_HD void load_f32x4(const float* p, float out[4]) {
-#if defined(__CUDA_ARCH__)
-  const float4 v = *reinterpret_cast<const float4*>(p);
-  out[0] = v.x, out[1] = v.y, out[2] = v.z, out[3] = v.w;
-#else
-  std::memcpy(out, p, 16);
-#endif
-}
-
 // Rotates the 4 pairs of pe chunk j (pairs 4j..4j+3) by the cos/sin row of the token.
 JKM_HD void rope8(const float* rope_row, int j, float v[kChunk]) {
-  constexpr int kPairs = kChunk / 2;
-  float cos[kPairs], sin[kPairs];
-  load_f32x4(rope_row + j * kPairs, cos);  // two vector loads rather than eight scalar ones
-  load_f32x4(rope_row + kRope / 2 + j * kPairs, sin);
-  for (int i = 0; i < kPairs; ++i)
-    rope_pair(v[2 * i], v[2 * i + 1], cos[i], sin[i], v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < kChunk / 2; ++i) {
+    int pair = j * (kChunk / 2) + i;
+    rope_pair(v[2 * i], v[2 * i + 1], rope_row[pair], rope_row[kRope / 2 + pair], v[2 * i],
+              v[2 * i + 1]);
+  }
 }
 
 JKM_HD Raw16 narrow8(bool to_bf16, const float v[kChunk]) {
