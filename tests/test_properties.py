@@ -278,14 +278,20 @@ def assert_outputs(got, want, regions, what: str):
         assert bad.size == 0, f"{what}: output {i} differs in rows {bad[:8]} of its [T*H, width] rows"
 
 
-def assert_cache(got, initial, candidates, groups, region, what: str):
-    """Unaddressed rows unchanged; each addressed row equal to one of its candidates' rows."""
-    got, initial = rows_of(got), rows_of(initial)
+def addressed_rows_only_changed(got, initial, groups, what: str) -> np.ndarray:
+    """Asserts that rows no valid slot addresses are unchanged; returns the addressed-row mask."""
     addressed = np.zeros(len(got), bool)
     addressed[list(groups)] = True
     unchanged = (row_bits(got) == row_bits(initial)).all(1)
     bad = np.flatnonzero(~addressed & ~unchanged)
     assert bad.size == 0, f"{what}: rows {bad[:8]} changed although no valid slot addresses them"
+    return addressed
+
+
+def assert_cache(got, initial, candidates, groups, region, what: str):
+    """Unaddressed rows unchanged; each addressed row equal to one of its candidates' rows."""
+    got, initial = rows_of(got), rows_of(initial)
+    addressed = addressed_rows_only_changed(got, initial, groups, what)
     ok = np.zeros(len(got), bool)
     for c in candidates:
         ok |= rows_match(got, c, region)
@@ -298,11 +304,7 @@ def assert_cache_words(got, initial, candidates, groups, what: str):
     whole: unaddressed rows unchanged; every 4-byte word of an addressed row is that word of one of
     its candidates' rows, bit for bit."""
     got, initial = rows_of(got), rows_of(initial)
-    addressed = np.zeros(len(got), bool)
-    addressed[list(groups)] = True
-    unchanged = (row_bits(got) == row_bits(initial)).all(1)
-    bad = np.flatnonzero(~addressed & ~unchanged)
-    assert bad.size == 0, f"{what}: rows {bad[:8]} changed although no valid slot addresses them"
+    addressed = addressed_rows_only_changed(got, initial, groups, what)
     words = row_bits(got).view(np.uint32)
     ok = np.zeros(words.shape, bool)
     for c in candidates:
