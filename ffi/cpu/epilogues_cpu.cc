@@ -27,6 +27,26 @@ void emit(const RowSpec& r, int64_t out_elem, int c, const Raw16& chunk) {
   store_chunk(chunk_dst(r, out_elem, c), chunk, r.scale_inv != nullptr);
 }
 
+// One output row. Runs of chunks that are plain copies (activation output, not rotated) are one
+// memcpy each: the CPU's fast path; every other chunk goes through make_chunk.
+void emit_row(const Epilogue& e, const RowSpec& r, int64_t t, int64_t h, int64_t out_elem) {
+  int c = 0;
+  if (r.scale_inv == nullptr) {
+    const float* rotate_by;
+    int pe_chunk = 0;
+    const int copied = e.cos_sin != nullptr ? r.nope_chunks : r.chunks();
+    if (r.nope_chunks > 0)
+      std::memcpy(chunk_dst(r, out_elem, 0), chunk_source(e, r, t, h, 0, &rotate_by, &pe_chunk),
+                  size_t(r.nope_chunks) * 16);
+    if (copied > r.nope_chunks)
+      std::memcpy(chunk_dst(r, out_elem, r.nope_chunks),
+                  chunk_source(e, r, t, h, r.nope_chunks, &rotate_by, &pe_chunk),
+                  size_t(r.pe_chunks) * 16);
+    c = copied;
+  }
+  for (; c < r.chunks(); ++c) emit(r, out_elem, c, make_chunk(e, r, t, h, c));
+}
+
 void run(const Plan& plan) {
   for (int i = 0; i < plan.num_copies; ++i)
     std::memcpy(plan.copies[i].dst, plan.copies[i].src, plan.copies[i].bytes);
@@ -36,14 +56,12 @@ void run(const Plan& plan) {
     if (row >= 0 && e.cache_format == CacheFormat::kDsMla) {
       write_ds_mla_entry(e, t, row);
     } else if (row >= 0) {
-      for (int c = 0; c < kCacheChunks; ++c)
-        emit(e.cache, row * e.cache.out_t, c, make_chunk(e, e.cache, t, 0, c));
+      emit_row(e, e.cache, t, 0, row * e.cache.out_t);
     }
     for (int64_t h = 0; h < e.heads; ++h)
       for (int r = 0; r < e.num_head_rows; ++r) {
         const RowSpec& spec = e.head_rows[r];
-        for (int c = 0; c < spec.chunks(); ++c)
-          emit(spec, t * spec.out_t + h * spec.out_h, c, make_chunk(e, spec, t, h, c));
+        emit_row(e, spec, t, h, t * spec.out_t + h * spec.out_h);
       }
   }
 }
