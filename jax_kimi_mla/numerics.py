@@ -26,7 +26,7 @@ def make_cos_sin_cache(max_position: int, *, base: float = 10000.0, rope_dim: in
     (4096, 64)
     """
     if max_position < 1 or rope_dim % 2:
-        raise ValueError(f"need max_position >= 1 and an even rope_dim, got {max_position}, {rope_dim}")
+        raise ValueError(f"need max_position >= 1 and an even rope_dim, got max_position={max_position}, rope_dim={rope_dim}")
     inv_freq = 1.0 / (base ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
     angles = np.arange(max_position, dtype=np.float64)[:, None] * inv_freq[None, :]
     return jnp.asarray(np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32))
