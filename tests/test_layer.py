@@ -260,11 +260,15 @@ def assert_cache_in_place(hlo, cache):
 
 def hidden_copies(hlo):
     """Operands of the jax_kimi_mla custom calls that are a copy, or a fusion that only slices or
-    copies (with type conversions) a wider tensor, and feed nothing but that call: work that
-    ``jax_kimi_mla.columns`` exists to avoid. A transpose is not counted: ql_nope comes out of the
-    per-head BMM head-major and has to be laid out token-major whatever the op reads."""
+    copies a wider tensor, and feed nothing but that call: work that ``jax_kimi_mla.columns``
+    exists to avoid. Not counted: a fusion whose output dtype differs from its inputs' (the op
+    needs bf16/fp16 whatever it reads, e.g. XLA:GPU's convert+slice of a merged q_a/kv_a GEMM's
+    float32 output; converts inside a same-dtype slice, as XLA:CPU emits for bf16, still count),
+    and a transpose (ql_nope comes out of the per-head BMM head-major and has to be laid out
+    token-major)."""
     comps = computations(hlo)
     moving = {"parameter", "bitcast", "reshape", "convert", "slice", "dynamic-slice", "copy"}
+    dtype = lambda type_text: type_text.split("[", 1)[0]
     found = []
     for comp in comps.values():
         by_name = {ins["name"]: ins for ins in comp}
@@ -278,8 +282,10 @@ def hidden_copies(hlo):
                     continue
                 users = [u for u in comp if name in u["operands"]]
                 if ins["op"] == "fusion":
-                    ops = {i["op"] for i in comps[re.search(r"calls=%([\w.\-]+)", ins["attrs"]).group(1)]}
-                    copies = ops <= moving and bool(ops & {"slice", "dynamic-slice", "copy"})
+                    body = comps[re.search(r"calls=%([\w.\-]+)", ins["attrs"]).group(1)]
+                    ops = {i["op"] for i in body}
+                    same_dtype = all(dtype(i["type"]) == dtype(ins["type"]) for i in body if i["op"] == "parameter")
+                    copies = ops <= moving and bool(ops & {"slice", "dynamic-slice", "copy"}) and same_dtype
                 else:
                     copies = ins["op"] in ("copy", "slice")
                 if copies and users == [call]:
@@ -334,9 +340,7 @@ def test_hidden_copy_check_can_fail():
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_no_hidden_copies_feed_the_epilogues(request, fmt):
     if jax.default_backend() == "gpu":
-        # XLA:GPU merges the q_a and kv_a projections (same input) into one GEMM; its f32 output
-        # is then converted to bf16 in a fusion that also slices kv_a out (T x 576 values): that
-        # convert is real work, but the check cannot tell it from a copy.
-        request.applymarker(pytest.mark.xfail(strict=False, reason="XLA:GPU dot merging: convert+slice of the merged GEMM"))
+        # Seen on the H200 before converts were excluded from the check; not re-run since.
+        request.applymarker(pytest.mark.xfail(strict=False, reason="unverified on GPU since the check's fix"))
     prefill_hlo, decode_hlo = lowered_steps(fmt)
     assert hidden_copies(prefill_hlo) + hidden_copies(decode_hlo) == []
