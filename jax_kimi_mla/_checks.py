@@ -211,6 +211,12 @@ def scale(name: str, x):
     return x
 
 
+def fp8_prefill_scales(q_scale_inv, k_scale_inv, v_scale_inv, cache_scale_inv) -> list:
+    """The four per-tensor scale inverses of the fp8 prefill op, checked, in operand order."""
+    named = (("q_scale_inv", q_scale_inv), ("k_scale_inv", k_scale_inv), ("v_scale_inv", v_scale_inv), ("cache_scale_inv", cache_scale_inv))
+    return [scale(n, s) for n, s in named]
+
+
 def prefill(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, *, cache_format, v=None):
     """Checks a prefill call; ``cache_format`` is "kv", "ds_mla" or "fp8"."""
     c = _Checker("q", q, P + R)

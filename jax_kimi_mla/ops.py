@@ -126,7 +126,7 @@ def fused_mla_qkv_quant_kv_cache_fp8_insert(
     checked, a = _checks.prefill(
         q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, cache_format="fp8", v=v
     )
-    scales = [_checks.scale(n, s) for n, s in (("q_scale_inv", q_scale_inv), ("k_scale_inv", k_scale_inv), ("v_scale_inv", v_scale_inv), ("cache_scale_inv", cache_scale_inv))]
+    scales = _checks.fp8_prefill_scales(q_scale_inv, k_scale_inv, v_scale_inv, cache_scale_inv)
     T, H = checked.tokens, checked.heads
     fp8 = jnp.float8_e4m3fn
     operands, attrs = _operands(a, ["q", "k_nope", "k_pe", "kv_c_normed", "v", "kv_cache", "slot_mapping"], scales)

@@ -95,7 +95,7 @@ def fused_mla_qkv_quant_kv_cache_fp8_insert(
         q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, cache_format="fp8", v=v
     )
     a = _checks.sliced(a)
-    scales = [_checks.scale(n, s) for n, s in (("q_scale_inv", q_scale_inv), ("k_scale_inv", k_scale_inv), ("v_scale_inv", v_scale_inv), ("cache_scale_inv", cache_scale_inv))]
+    scales = _checks.fp8_prefill_scales(q_scale_inv, k_scale_inv, v_scale_inv, cache_scale_inv)
     T, H = checked.tokens, checked.heads
     r32 = _rotated_k_pe(a["k_pe"], checked, a["positions"], a["cos_sin_cache"])
     q32 = a["q"].astype(jnp.float32)
