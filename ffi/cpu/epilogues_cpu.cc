@@ -37,11 +37,11 @@ void emit_row(const Epilogue& e, const RowSpec& r, int64_t t, int64_t h, int64_t
     const int copied = e.cos_sin != nullptr ? r.nope_chunks : r.chunks();
     if (r.nope_chunks > 0)
       std::memcpy(chunk_dst(r, out_elem, 0), chunk_source(e, r, t, h, 0, &rotate_by, &pe_chunk),
-                  size_t(r.nope_chunks) * 16);
+                  size_t(r.nope_chunks) * sizeof(Raw16));
     if (copied > r.nope_chunks)
       std::memcpy(chunk_dst(r, out_elem, r.nope_chunks),
                   chunk_source(e, r, t, h, r.nope_chunks, &rotate_by, &pe_chunk),
-                  size_t(r.pe_chunks) * 16);
+                  size_t(r.pe_chunks) * sizeof(Raw16));
     c = copied;
   }
   for (; c < r.chunks(); ++c) emit(r, out_elem, c, make_chunk(e, r, t, h, c));
