@@ -338,9 +338,6 @@ def test_hidden_copy_check_can_fail():
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_no_hidden_copies_feed_the_epilogues(request, fmt):
-    if jax.default_backend() == "gpu":
-        # Seen on the H200 before converts were excluded from the check; not re-run since.
-        request.applymarker(pytest.mark.xfail(strict=False, reason="unverified on GPU since the check's fix"))
+def test_no_hidden_copies_feed_the_epilogues(fmt):
     prefill_hlo, decode_hlo = lowered_steps(fmt)
     assert hidden_copies(prefill_hlo) + hidden_copies(decode_hlo) == []

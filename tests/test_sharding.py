@@ -35,8 +35,9 @@ def _round_up(x: int, d: int) -> int:
 @dataclass(frozen=True)
 class DeviceSet:
     """The devices of one platform that a test shards over, and the problem sizes derived from
-    their number D: at least 16 tokens and 16 cache blocks of BS rows, each a multiple of D,
-    and 2 heads per device (on 8 CPUs: 2 tokens, 2 heads, 2 cache blocks = 8 rows per device)."""
+    their number D: at least 16 tokens and one cache block per device more than that, each a
+    multiple of D, of BS rows, and 2 heads per device (on 8 CPUs: 2 tokens, 2 heads, 3 cache
+    blocks = 12 rows per device)."""
 
     devices: tuple
 
@@ -56,7 +57,9 @@ class DeviceSet:
 
     @property
     def N(self) -> int:
-        return _round_up(16, self.D)
+        # One block per device more than tokens: a device's cache shard [N/D, BS, 576] then never
+        # has the shape of its mqa_q under data parallelism [T/D, H, 576], whatever H and BS.
+        return _round_up(16, self.D) + self.D
 
     @property
     def rows_per_shard(self) -> int:

@@ -32,15 +32,13 @@ void emit(const RowSpec& r, int64_t out_elem, int c, const Raw16& chunk) {
 void emit_row(const Epilogue& e, const RowSpec& r, int64_t t, int64_t h, int64_t out_elem) {
   int c = 0;
   if (r.scale_inv == nullptr) {
-    const float* rotate_by;
-    int pe_chunk = 0;
     const int copied = e.cos_sin != nullptr ? r.nope_chunks : r.chunks();
     if (r.nope_chunks > 0)
-      std::memcpy(chunk_dst(r, out_elem, 0), chunk_source(e, r, t, h, 0, &rotate_by, &pe_chunk),
+      std::memcpy(chunk_dst(r, out_elem, 0), chunk_src(r, t, h, 0),
                   size_t(r.nope_chunks) * sizeof(Raw16));
     if (copied > r.nope_chunks)
       std::memcpy(chunk_dst(r, out_elem, r.nope_chunks),
-                  chunk_source(e, r, t, h, r.nope_chunks, &rotate_by, &pe_chunk),
+                  chunk_src(r, t, h, r.nope_chunks),
                   size_t(r.pe_chunks) * sizeof(Raw16));
     c = copied;
   }

@@ -1,8 +1,11 @@
-// CUDA handlers: one launch per call. A lane is one 8-element chunk of one row; a token's lanes
-// are laid out as [72 cache-entry lanes | heads x head-row lanes | pad to 16], so the 16 lanes of a
-// ds_mla scale tile always share a half warp and reduce their amax by shuffles. Each thread owns
-// kLanesPerThread lanes and issues all their loads before its stores. The grid is (lane tiles of
-// a token) x (tokens, split over y and z): no division by T.
+// CUDA handlers: one launch per call. A lane is one 8-element chunk of one output row; a token's
+// lanes are [72 cache-entry lanes | head row 0 of every head | head row 1 of every head | ...].
+// A block covers lanes of one token, so its slot, position and cos/sin row are block-wide. The
+// kernel is compiled per op, RoPE on/off and activation dtype, so each lane's place is constant
+// arithmetic. Each thread owns kLanesPerThread lanes and runs in three phases: all loads, then
+// the cos/sin row into shared memory, then the arithmetic and stores, so no load waits on
+// another lane's work. The 16 lanes of a ds_mla scale tile are one half warp (threads 0..63 of
+// a token's first block) and reduce their amax by shuffles.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -13,92 +16,159 @@ namespace jax_kimi_mla {
 namespace {
 
 constexpr int kMaxThreads = 256;
-constexpr int kLanesPerThread = 2;  // two chunks in flight per thread
+constexpr int kLanesPerThread = 2;
 constexpr int64_t kMaxGridY = 65535;
 
-// A chunk ready to be stored: computed first, stored after all of a thread's loads are issued.
-struct PendingChunk {
-  void* dst = nullptr;  // null: nothing to store (padding lane, skipped slot, done in place)
-  Raw16 data;
-  bool e4m3 = false;
+// Where one lane reads and writes. dst is null when nothing is stored (a skipped slot); for a
+// ds_mla cache lane it is the entry itself.
+struct Lane {
+  const uint16_t* src = nullptr;  // null: no lane here
+  void* dst = nullptr;
+  bool in_cache = false;  // a lane of the cache entry, not of a head row
+  int chunk = 0;  // the chunk within its row
+  int pe = -1;    // the pe chunk index (0..7), or -1 for a nope chunk
+  const float* scale_inv = nullptr;  // set when the row is stored as E4M3
 };
 
-// The latent lanes of a ds_mla entry: the 16 lanes of a tile (a half warp) share their amax by
-// shuffles and store directly. Lanes of a skipped slot still take part (uniform per token).
-__device__ void ds_mla_latent_lane(const Epilogue& e, int64_t t, int64_t row, int lane) {
-  float v[kChunk];
-  chunk_values(e, e.cache, t, 0, lane, v);
-  float amax = 0.0f;
-  for (float x : v) amax = amax_fold(amax, x);
-  const unsigned tile_mask = 0xFFFFu << (threadIdx.x & 16);
-  for (int offset = kTileChunks / 2; offset > 0; offset /= 2)
-    amax = amax_fold(amax, __shfl_xor_sync(tile_mask, amax, offset, kTileChunks));
-  if (row < 0) return;
-  const float s = ds_mla_tile_scale(amax);
-  uint8_t* entry = ds_mla_entry(e, row);
-  store_ds_mla_latent(entry, lane, v, s);
-  if (lane % kTileChunks == 0) store_ds_mla_scale(entry, lane / kTileChunks, s);
+// Lane `rest` of head rows r, r + 1, ...: row r holds heads x chunks lanes. Recursion over r
+// keeps each row's shape a compile-time constant.
+template <Op op, bool kRopeOn, int r>
+__device__ __forceinline__ void locate_in_head_row(const Epilogue& e, int64_t t, int rest, Lane& l) {
+  if constexpr (r < op_shape(op, kRopeOn).num_rows) {
+    constexpr RowShape shape = op_shape(op, kRopeOn).rows[r];
+    const int row_lanes = int(e.heads) * shape.chunks();
+    if (rest >= row_lanes) return locate_in_head_row<op, kRopeOn, r + 1>(e, t, rest - row_lanes, l);
+    const RowSpec& spec = e.head_rows[r];
+    const int h = rest / shape.chunks(), c = rest - h * shape.chunks();
+    l.chunk = c;
+    l.pe = c - shape.nope_chunks;
+    // Offsets within the token are 32-bit (launch() checks that they fit).
+    l.src = l.pe < 0 ? spec.nope + t * spec.nope_t + (h * int(spec.nope_h) + c * kChunk)
+                     : spec.pe + t * spec.pe_t + (h * int(spec.pe_h) + l.pe * kChunk);
+    const int64_t out_elem = t * spec.out_t + (h * int(spec.out_h) + c * kChunk);
+    l.dst = shape.fp8 ? static_cast<void*>(static_cast<uint8_t*>(spec.out) + out_elem)
+                      : static_cast<void*>(static_cast<uint16_t*>(spec.out) + out_elem);
+    if (shape.fp8) l.scale_inv = spec.scale_inv;
+  }
 }
 
-// Lane `lane` of token t: its chunk and destination. Inputs are read before the slot is known
-// to be valid, so the slot_mapping load and the input loads are in flight together.
-__device__ PendingChunk prepare_lane(const Epilogue& e, int64_t t, int lane) {
-  PendingChunk p;
+template <Op op, bool kRopeOn>
+__device__ __forceinline__ Lane locate(const Epilogue& e, int64_t t, int64_t slot_row, int lane) {
+  constexpr OpShape shape = op_shape(op, kRopeOn);
+  Lane l;
   if (lane < kCacheChunks) {
-    const int64_t row = e.cache_row(t);
-    if (e.cache_format == CacheFormat::kDsMla) {
-      if (lane < kLatent / kChunk) {
-        ds_mla_latent_lane(e, t, row, lane);
-      } else {
-        p.data = make_ds_mla_pe(e, t, lane - kLatent / kChunk);
-        if (row >= 0) p.dst = ds_mla_pe_dst(ds_mla_entry(e, row), lane - kLatent / kChunk);
-      }
-      return p;
-    }
-    p.data = make_chunk(e, e.cache, t, 0, lane);
-    p.e4m3 = e.cache.scale_inv != nullptr;
-    if (row >= 0) p.dst = chunk_dst(e.cache, row * e.cache.out_t, lane);
-    return p;
+    l.in_cache = true;
+    l.chunk = lane;
+    l.src = chunk_src(e.cache, t, 0, lane);
+    l.pe = lane - kLatent / kChunk;
+    if (shape.cache == CacheFormat::kFp8) l.scale_inv = e.cache.scale_inv;
+    if (slot_row >= 0)
+      l.dst = shape.cache == CacheFormat::kDsMla ? static_cast<void*>(ds_mla_entry(e, slot_row))
+                                                 : chunk_dst(e.cache, slot_row * e.cache.out_t, lane);
+    return l;
   }
-  const int head_chunks = e.head_chunks();
-  const int head_lane = lane - kCacheChunks;  // < lanes_per_token: 32-bit division suffices
-  if (head_chunks == 0 || head_lane >= e.heads * head_chunks) return p;
-  const int h = head_lane / head_chunks;
-  int c = head_lane - h * head_chunks;
-  for (int r = 0; r < e.num_head_rows; ++r) {
-    const RowSpec& spec = e.head_rows[r];
-    if (c < spec.chunks()) {
-      p.data = make_chunk(e, spec, t, h, c);
-      p.e4m3 = spec.scale_inv != nullptr;
-      p.dst = chunk_dst(spec, t * spec.out_t + h * spec.out_h, c);
-      return p;
-    }
-    c -= spec.chunks();
-  }
-  return p;
+  locate_in_head_row<op, kRopeOn, 0>(e, t, lane - kCacheChunks, l);
+  return l;
 }
 
 // Block (x, y, z) covers lanes [x * kLanesPerThread * blockDim.x, ...) of token y + z * gridDim.y;
 // thread i takes lanes i, i + blockDim.x, ... of that range.
+template <Op op, bool kRopeOn, ActType kAct>
 __global__ void __launch_bounds__(kMaxThreads) epilogue_kernel(const Epilogue e, int lanes_per_token) {
+  constexpr OpShape shape = op_shape(op, kRopeOn);
   const int64_t t = int64_t(blockIdx.z) * gridDim.y + blockIdx.y;
   if (t >= e.tokens) return;
   const int first = blockIdx.x * blockDim.x * kLanesPerThread + threadIdx.x;
-  PendingChunk pending[kLanesPerThread];
+
+  // Phase 1: every load. The position is read first (the cos/sin row waits on it), the slot
+  // alongside the inputs it addresses.
+  const float* rope_src = nullptr;
+  if constexpr (kRopeOn)
+    if (threadIdx.x < kRope / 4) rope_src = e.rope_row(t);
+  const int64_t slot_row = blockIdx.x == 0 ? e.cache_row(t) : -1;
+  Lane lanes[kLanesPerThread];
+  Raw16 raw[kLanesPerThread];
+  float mult[kLanesPerThread] = {};
 #pragma unroll
   for (int k = 0; k < kLanesPerThread; ++k) {
-    const int lane = first + k * blockDim.x;
-    if (lane < lanes_per_token) pending[k] = prepare_lane(e, t, lane);
+    const int lane = first + k * int(blockDim.x);
+    if (lane < lanes_per_token) lanes[k] = locate<op, kRopeOn>(e, t, slot_row, lane);
+    if (lanes[k].src == nullptr) continue;
+    raw[k] = load16(lanes[k].src);
+    if (lanes[k].scale_inv != nullptr) mult[k] = __ldg(lanes[k].scale_inv);
   }
+
+  // Phase 2: the token's cos/sin row, once per block.
+  __shared__ float4 rope_row4[kRope / 4];
+  const float* rope_row = reinterpret_cast<const float*>(rope_row4);
+  if constexpr (kRopeOn) {
+    if (rope_src != nullptr)
+      rope_row4[threadIdx.x] = __ldg(reinterpret_cast<const float4*>(rope_src) + threadIdx.x);
+    __syncthreads();
+  }
+
+  // Phase 3: arithmetic and stores.
 #pragma unroll
-  for (int k = 0; k < kLanesPerThread; ++k)
-    if (pending[k].dst != nullptr) store_chunk(pending[k].dst, pending[k].data, pending[k].e4m3);
+  for (int k = 0; k < kLanesPerThread; ++k) {
+    const Lane& l = lanes[k];
+    if (l.src == nullptr) continue;
+    const float* rotate_by = kRopeOn && l.pe >= 0 ? rope_row : nullptr;
+    if (shape.cache == CacheFormat::kDsMla && l.in_cache) {
+      auto* entry = static_cast<uint8_t*>(l.dst);
+      if (l.pe >= 0) {
+        const Raw16 out = finish_ds_mla_pe(kAct, raw[k], rotate_by, l.pe);
+        if (entry != nullptr) store16(ds_mla_pe_dst(entry, l.pe), out);
+        continue;
+      }
+      // Latent lanes 0..63 are threads 0..63 of block x = 0 at k = 0: whole half warps.
+      float v[kChunk];
+      widen8(kAct, raw[k], v);
+      float amax = 0.0f;
+      for (float x : v) amax = amax_fold(amax, x);
+      const unsigned tile_mask = 0xFFFFu << (threadIdx.x & 16);
+      for (int offset = kTileChunks / 2; offset > 0; offset /= 2)
+        amax = amax_fold(amax, __shfl_xor_sync(tile_mask, amax, offset, kTileChunks));
+      if (entry == nullptr) continue;
+      const float s = ds_mla_tile_scale(amax);
+      store_ds_mla_latent(entry, l.chunk, v, s);
+      if (l.chunk % kTileChunks == 0) store_ds_mla_scale(entry, l.chunk / kTileChunks, s);
+      continue;
+    }
+    const bool fp8 = l.scale_inv != nullptr;
+    const Raw16 out = finish_chunk(kAct, raw[k], rotate_by, l.pe, fp8, mult[k]);
+    if (l.dst != nullptr) store_chunk(l.dst, out, fp8);
+  }
 }
 
 ffi::Error cuda_error(const char* what, cudaError_t err) {
   return ffi::Error::Internal(std::string("jax_kimi_mla: ") + what + ": " + cudaGetErrorString(err));
 }
 
+template <Op op, bool kRopeOn, ActType kAct>
+ffi::Error launch(cudaStream_t stream, const Epilogue& e) {
+  const int64_t lanes = kCacheChunks + e.heads * op_shape(op, kRopeOn).head_chunks();
+  // At least 64 threads, so a ds_mla entry's 64 latent lanes are all first lanes of block 0.
+  const int64_t per_thread = (lanes + kLanesPerThread - 1) / kLanesPerThread;
+  const int threads = int(std::clamp<int64_t>((per_thread + 31) / 32 * 32, 64, kMaxThreads));
+  const int64_t tiles = (lanes + threads * kLanesPerThread - 1) / (threads * kLanesPerThread);
+  const int64_t grid_y = std::min(e.tokens, kMaxGridY);
+  const int64_t grid_z = (e.tokens + grid_y - 1) / grid_y;
+  bool too_large = lanes > INT32_MAX || grid_z > kMaxGridY;
+  for (int r = 0; r < e.num_head_rows; ++r) {  // a token's head offsets must fit in 32 bits
+    const RowSpec& spec = e.head_rows[r];
+    for (int64_t stride : {spec.nope_h, spec.pe_h, spec.out_h})
+      too_large |= stride < 0 || e.heads * (stride + kEntry) > INT32_MAX;
+  }
+  if (too_large)
+    return ffi::Error::InvalidArgument("jax_kimi_mla: problem too large for one launch");
+  if (reinterpret_cast<uintptr_t>(e.cos_sin) % 16 != 0)  // read as float4 rows
+    return ffi::Error::InvalidArgument("jax_kimi_mla: cos_sin_cache is not 16-byte aligned");
+  epilogue_kernel<op, kRopeOn, kAct>
+      <<<dim3(unsigned(tiles), unsigned(grid_y), unsigned(grid_z)), threads, 0, stream>>>(e, int(lanes));
+  return ffi::Error::Success();
+}
+
+template <Op op>
 ffi::Error run(cudaStream_t stream, const Plan& plan) {
   for (int i = 0; i < plan.num_copies; ++i) {
     const Copy& c = plan.copies[i];
@@ -107,17 +177,12 @@ ffi::Error run(cudaStream_t stream, const Plan& plan) {
   }
   const Epilogue& e = plan.e;
   if (e.tokens > 0) {
-    const int64_t lanes = plan.lanes_per_token();
-    // At least 64 threads, so a ds_mla entry's 64 latent lanes are all first lanes of block 0.
-    const int64_t per_thread = (lanes + kLanesPerThread - 1) / kLanesPerThread;
-    const int threads = int(std::clamp<int64_t>((per_thread + 31) / 32 * 32, 64, kMaxThreads));
-    const int64_t tiles = (lanes + threads * kLanesPerThread - 1) / (threads * kLanesPerThread);
-    const int64_t grid_y = std::min(e.tokens, kMaxGridY);
-    const int64_t grid_z = (e.tokens + grid_y - 1) / grid_y;
-    if (lanes > INT32_MAX || grid_z > kMaxGridY)
-      return ffi::Error::InvalidArgument("jax_kimi_mla: problem too large for one launch");
-    epilogue_kernel<<<dim3(unsigned(tiles), unsigned(grid_y), unsigned(grid_z)), threads, 0, stream>>>(
-        e, int(lanes));
+    const bool rope = e.cos_sin != nullptr, bf16 = e.act == ActType::kBF16;
+    ffi::Error err = rope ? (bf16 ? launch<op, true, ActType::kBF16>(stream, e)
+                                  : launch<op, true, ActType::kF16>(stream, e))
+                          : (bf16 ? launch<op, false, ActType::kBF16>(stream, e)
+                                  : launch<op, false, ActType::kF16>(stream, e));
+    if (err.failure()) return err;
   }
   cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? ffi::Error::Success() : cuda_error("kernel launch", err);
@@ -128,7 +193,7 @@ ffi::Error handler(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingR
                    ffi::Dictionary attrs) {
   Plan plan;
   if (ffi::Error err = make_plan(op, args, rets, attrs, plan); err.failure()) return err;
-  return run(stream, plan);
+  return run<op>(stream, plan);
 }
 
 }  // namespace

@@ -70,10 +70,12 @@ struct Raw16 {
   uint32_t w[4];
 };
 
+// On the GPU these are global-memory accesses (inputs through the read-only path: no input is
+// written by the call, except q with RoPE, each chunk of which one thread reads, then writes).
 JKM_HD Raw16 load16(const void* p) {
   Raw16 r;
 #if defined(__CUDA_ARCH__)
-  uint4 v = *static_cast<const uint4*>(p);
+  const uint4 v = __ldg(static_cast<const uint4*>(p));
   r.w[0] = v.x, r.w[1] = v.y, r.w[2] = v.z, r.w[3] = v.w;
 #else
   std::memcpy(r.w, p, 16);
@@ -83,7 +85,7 @@ JKM_HD Raw16 load16(const void* p) {
 
 JKM_HD void store16(void* p, const Raw16& r) {
 #if defined(__CUDA_ARCH__)
-  *static_cast<uint4*>(p) = make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]);
+  __stwb(static_cast<uint4*>(p), make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]));
 #else
   std::memcpy(p, r.w, 16);
 #endif
@@ -91,10 +93,18 @@ JKM_HD void store16(void* p, const Raw16& r) {
 
 JKM_HD void store8(void* p, uint32_t lo, uint32_t hi) {
 #if defined(__CUDA_ARCH__)
-  *static_cast<uint2*>(p) = make_uint2(lo, hi);
+  __stwb(static_cast<uint2*>(p), make_uint2(lo, hi));
 #else
   uint32_t w[2] = {lo, hi};
   std::memcpy(p, w, 8);
+#endif
+}
+
+JKM_HD void store4(void* p, uint32_t w) {
+#if defined(__CUDA_ARCH__)
+  __stwb(static_cast<unsigned int*>(p), w);
+#else
+  std::memcpy(p, &w, 4);
 #endif
 }
 
@@ -118,61 +128,59 @@ JKM_HD void rope8(const float* rope_row, int j, float v[kChunk]) {
 
 JKM_HD Raw16 narrow8(bool to_bf16, const float v[kChunk]) {
   Raw16 r;
-  for (int i = 0; i < kChunk / 2; ++i) {
-    uint32_t lo = to_bf16 ? f32_to_bf16(v[2 * i]) : f32_to_f16(v[2 * i]);
-    uint32_t hi = to_bf16 ? f32_to_bf16(v[2 * i + 1]) : f32_to_f16(v[2 * i + 1]);
-    r.w[i] = lo | (hi << 16);
-  }
+  for (int i = 0; i < kChunk / 2; ++i)
+    r.w[i] = to_bf16 ? bf16x2(v[2 * i], v[2 * i + 1]) : f16x2(v[2 * i], v[2 * i + 1]);
   return r;
 }
 
 // Q(v * mult): 8 E4M3 codes packed into two words.
 JKM_HD void e4m3x8(const float v[kChunk], float mult, uint32_t w[2]) {
-  for (int i = 0; i < 2; ++i) {
-    uint32_t p0 = e4m3_encode_pair(mul_rn(v[4 * i], mult), mul_rn(v[4 * i + 1], mult));
-    uint32_t p1 = e4m3_encode_pair(mul_rn(v[4 * i + 2], mult), mul_rn(v[4 * i + 3], mult));
-    w[i] = p0 | (p1 << 16);
-  }
+  for (int i = 0; i < 2; ++i)
+    w[i] = e4m3x4(mul_rn(v[4 * i], mult), mul_rn(v[4 * i + 1], mult), mul_rn(v[4 * i + 2], mult),
+                  mul_rn(v[4 * i + 3], mult));
 }
 
-// Where chunk c of row r for (t, h) is read from, and the cos/sin row it is rotated by: null for
-// nope chunks and without RoPE, so only pe chunks load the token's position. Returns the pe chunk
-// index through *pe_chunk.
-JKM_HD const uint16_t* chunk_source(const Epilogue& e, const RowSpec& r, int64_t t, int64_t h,
-                                    int c, const float** rotate_by, int* pe_chunk) {
-  if (c < r.nope_chunks) {
-    *rotate_by = nullptr;
-    return r.nope + t * r.nope_t + h * r.nope_h + int64_t(c) * kChunk;
-  }
-  *pe_chunk = c - r.nope_chunks;
-  *rotate_by = e.rope_row(t);
-  return r.pe + t * r.pe_t + h * r.pe_h + int64_t(*pe_chunk) * kChunk;
+// Where chunk c of row r for (t, h) is read from.
+JKM_HD const uint16_t* chunk_src(const RowSpec& r, int64_t t, int64_t h, int c) {
+  if (c < r.nope_chunks) return r.nope + t * r.nope_t + h * r.nope_h + int64_t(c) * kChunk;
+  return r.pe + t * r.pe_t + h * r.pe_h + int64_t(c - r.nope_chunks) * kChunk;
+}
+
+// The cos/sin row that chunk c of row r is rotated by: null for nope chunks and without RoPE,
+// so only pe chunks load the token's position.
+JKM_HD const float* chunk_rotation(const Epilogue& e, const RowSpec& r, int64_t t, int c) {
+  return c < r.nope_chunks ? nullptr : e.rope_row(t);
+}
+
+// A loaded chunk made into its output: rotated as pe chunk j by `rotate_by` (a cos/sin row) when
+// that is set, then narrowed back to the activation dtype (16 bytes), or quantized to E4M3 as
+// Q(v * mult) when `quantize` is set (the first 8 bytes). Chunks that nothing changes are the input
+// bits themselves. Loading and finishing are separate so that a kernel can issue all its loads
+// before it computes or stores anything.
+JKM_HD Raw16 finish_chunk(ActType act, const Raw16& raw, const float* rotate_by, int j,
+                          bool quantize, float mult) {
+  if (rotate_by == nullptr && !quantize) return raw;
+  float v[kChunk];
+  widen8(act, raw, v);
+  if (rotate_by != nullptr) rope8(rotate_by, j, v);
+  if (!quantize) return narrow8(act == ActType::kBF16, v);
+  Raw16 codes{};
+  e4m3x8(v, mult, codes.w);
+  return codes;
 }
 
 // The float32 values of chunk c, RoPE'd when it is a pe chunk and RoPE is on.
 JKM_HD void chunk_values(const Epilogue& e, const RowSpec& r, int64_t t, int64_t h, int c,
                          float v[kChunk]) {
-  const float* rotate_by;
-  int pe_chunk = 0;
-  widen8(e.act, load16(chunk_source(e, r, t, h, c, &rotate_by, &pe_chunk)), v);
-  if (rotate_by != nullptr) rope8(rotate_by, pe_chunk, v);
+  widen8(e.act, load16(chunk_src(r, t, h, c)), v);
+  if (const float* rotate_by = chunk_rotation(e, r, t, c)) rope8(rotate_by, c - r.nope_chunks, v);
 }
 
-// Chunk c of a row whose output is in the activation dtype (16 bytes) or in plain E4M3 (the first
-// 8 bytes). Unrotated activation chunks are the input bits themselves. Computing a chunk and
-// storing it are separate so that a kernel can issue its loads before it stores anything.
+// Chunk c of a row, loaded and finished.
 JKM_HD Raw16 make_chunk(const Epilogue& e, const RowSpec& r, int64_t t, int64_t h, int c) {
-  const float* rotate_by;
-  int pe_chunk = 0;
-  const Raw16 raw = load16(chunk_source(e, r, t, h, c, &rotate_by, &pe_chunk));
-  if (rotate_by == nullptr && r.scale_inv == nullptr) return raw;
-  float v[kChunk];
-  widen8(e.act, raw, v);
-  if (rotate_by != nullptr) rope8(rotate_by, pe_chunk, v);
-  if (r.scale_inv == nullptr) return narrow8(e.act == ActType::kBF16, v);
-  Raw16 codes{};
-  e4m3x8(v, *r.scale_inv, codes.w);
-  return codes;
+  return finish_chunk(e.act, load16(chunk_src(r, t, h, c)), chunk_rotation(e, r, t, c),
+                      c - r.nope_chunks, r.scale_inv != nullptr,
+                      r.scale_inv != nullptr ? *r.scale_inv : 0.0f);
 }
 
 // Where chunk c of an output row starting at element `out_elem` goes, and how wide it is.
@@ -203,19 +211,22 @@ JKM_HD void store_ds_mla_latent(uint8_t* entry, int latent_chunk, const float v[
 }
 
 JKM_HD void store_ds_mla_scale(uint8_t* entry, int tile, float s) {
-  uint32_t b = f32_bits(s);
-  uint8_t* p = entry + kDsMlaScaleOffset + 4 * tile;
-  for (int i = 0; i < 4; ++i) p[i] = uint8_t(b >> (8 * i));  // little-endian
+  store4(entry + kDsMlaScaleOffset + 4 * tile, f32_bits(s));  // little-endian, 4-byte aligned
 }
 
-// pe chunk j (0..7) of the entry: bfloat16 from the float32 value, or the bf16 bits themselves
-// when nothing changes them.
-JKM_HD Raw16 make_ds_mla_pe(const Epilogue& e, int64_t t, int j) {
-  const RowSpec& r = e.cache;
-  if (e.cos_sin == nullptr && e.act == ActType::kBF16) return load16(r.pe + t * r.pe_t + j * kChunk);
+// pe chunk j (0..7) of the entry from its loaded input: bfloat16 from the float32 value, or the
+// bf16 bits themselves when nothing changes them.
+JKM_HD Raw16 finish_ds_mla_pe(ActType act, const Raw16& raw, const float* rotate_by, int j) {
+  if (rotate_by == nullptr && act == ActType::kBF16) return raw;
   float v[kChunk];
-  chunk_values(e, r, t, 0, r.nope_chunks + j, v);
+  widen8(act, raw, v);
+  if (rotate_by != nullptr) rope8(rotate_by, j, v);
   return narrow8(true, v);
+}
+
+JKM_HD Raw16 make_ds_mla_pe(const Epilogue& e, int64_t t, int j) {
+  const int c = kLatent / kChunk + j;
+  return finish_ds_mla_pe(e.act, load16(chunk_src(e.cache, t, 0, c)), e.rope_row(t), j);
 }
 
 JKM_HD uint8_t* ds_mla_pe_dst(uint8_t* entry, int j) { return entry + kDsMlaPeOffset + j * kChunk * 2; }

@@ -29,6 +29,48 @@ enum class Op {
 #undef JKM_OP_ENUM
 };
 
+// The per-head rows each op writes, in order, as compile-time shapes: the chunks read from the
+// row's nope and pe sources, and whether it is stored as E4M3. make_plan fills its RowSpecs from
+// these; the CUDA kernel is compiled for each.
+struct RowShape {
+  int nope_chunks = 0, pe_chunks = 0;
+  bool fp8 = false;
+  JKM_HD constexpr int chunks() const { return nope_chunks + pe_chunks; }
+};
+
+struct OpShape {
+  CacheFormat cache = CacheFormat::kAct;
+  int num_rows = 0;
+  RowShape rows[3] = {};
+  JKM_HD constexpr int head_chunks() const {
+    int n = 0;
+    for (int r = 0; r < num_rows; ++r) n += rows[r].chunks();
+    return n;
+  }
+};
+
+JKM_HD constexpr OpShape op_shape(Op op, bool rope) {
+  constexpr RowShape k{kNope / kChunk, kRopeChunks, false};  // prefill k = [k_nope | k_pe]
+  constexpr RowShape q_pe{0, kRopeChunks, false};            // prefill q[..., 128:], in place
+  constexpr RowShape mqa_q{kLatent / kChunk, kRopeChunks, false};  // decode [ql_nope | q_pe]
+  switch (op) {
+    case Op::prefill_kv_cache:
+    case Op::prefill_ds_mla: {
+      const CacheFormat f = op == Op::prefill_ds_mla ? CacheFormat::kDsMla : CacheFormat::kAct;
+      return rope ? OpShape{f, 2, {k, q_pe}} : OpShape{f, 1, {k}};
+    }
+    case Op::prefill_fp8:  // q, k, v
+      return OpShape{CacheFormat::kFp8, 3,
+                     {{kNope / kChunk, kRopeChunks, true}, {kNope / kChunk, kRopeChunks, true},
+                      {kVHead / kChunk, 0, true}}};
+    case Op::decode_kv_cache: return OpShape{CacheFormat::kAct, 1, {mqa_q}};
+    case Op::decode_fp8:
+      return OpShape{CacheFormat::kFp8, 1, {{kLatent / kChunk, kRopeChunks, true}}};
+    case Op::decode_ds_mla: return OpShape{CacheFormat::kDsMla, 1, {mqa_q}};
+  }
+  return {};
+}
+
 // An output that XLA did not alias to its input starts as a copy of the input.
 struct Copy {
   const void* src;
@@ -44,10 +86,6 @@ struct Plan {
   void copy_unless_aliased(const ffi::AnyBuffer& in, const ffi::AnyBuffer& out) {
     if (in.untyped_data() != out.untyped_data() && in.size_bytes() > 0)
       copies[num_copies++] = {in.untyped_data(), out.untyped_data(), in.size_bytes()};
-  }
-  int64_t lanes_per_token() const {  // CUDA: one thread per chunk, padded to whole ds_mla tiles
-    int64_t lanes = kCacheChunks + e.heads * e.head_chunks();
-    return (lanes + kTileChunks - 1) / kTileChunks * kTileChunks;
   }
 };
 
@@ -172,9 +210,7 @@ inline ffi::Error make_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets r
     e.max_position = cos_sin.dimensions()[0];
     ck.expect(e.max_position > 0, "cos_sin_cache must have at least one row");
   }
-  e.cache_format = cache_type == ffi::DataType::U8             ? CacheFormat::kDsMla
-                   : cache_type == ffi::DataType::F8E4M3FN ? CacheFormat::kFp8
-                                                             : CacheFormat::kAct;
+  e.cache_format = op_shape(op, rope).cache;
   e.cache_rows = cache.dimensions()[0] * cache.dimensions()[1];
   // An activation source: [lead..., width] read from column `col` (the attribute `col_attr`,
   // default 0), so a per-head or per-token input can be a wider producer tensor.
@@ -209,16 +245,25 @@ inline ffi::Error make_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets r
   plan.copy_unless_aliased(cache, cache_out);
 
   const auto scale = [&](int i) { return static_cast<const float*>(scales[i].untyped_data()); };
-  RowSpec* rows = e.head_rows;
+  // The next head row: its chunk counts come from the op's shape.
+  const OpShape shape = op_shape(op, rope);
+  const auto add_row = [&](const uint16_t* nope, int64_t nope_t, int64_t nope_h, const uint16_t* pe,
+                           int64_t pe_t, int64_t pe_h, void* out, int64_t out_t, int64_t out_h,
+                           const float* scale_inv) {
+    const RowShape& rs = shape.rows[e.num_head_rows];
+    e.head_rows[e.num_head_rows++] = {nope,      nope_t, nope_h, rs.nope_chunks, pe,   pe_t,
+                                      pe_h,      rs.pe_chunks,   out,            out_t, out_h,
+                                      scale_inv};
+  };
   if (op == Op::prefill_kv_cache || op == Op::prefill_ds_mla) {
     const Source kn = source(b, T * H, kNope, "k_nope_col", "k_nope must be [T, H, 128]");
-    rows[e.num_head_rows++] = {kn.data, H * kn.width, kn.width, kNope / kChunk, kp.data, kp.width,
-                               0, kRopeChunks, output(out[0], act, kQkHead), H * kQkHead, kQkHead};
+    add_row(kn.data, H * kn.width, kn.width, kp.data, kp.width, 0, output(out[0], act, kQkHead),
+            H * kQkHead, kQkHead, nullptr);
     if (rope) {  // q[..., 128:] rotated in place
       const Source q = source(a, T * H, kQkHead, nullptr, "q must be [T, H, 192]");
       auto* q_out = static_cast<uint16_t*>(output(out[1], act, kQkHead));
-      rows[e.num_head_rows++] = {nullptr, 0, 0, 0, q.data + kNope, H * kQkHead, kQkHead,
-                                 kRopeChunks, q_out + kNope, H * kQkHead, kQkHead};
+      add_row(nullptr, 0, 0, q.data + kNope, H * kQkHead, kQkHead, q_out + kNope, H * kQkHead,
+              kQkHead, nullptr);
       plan.copy_unless_aliased(a, out[1]);
     } else {
       ck.expect(a.element_count() == 0 && out[1].element_count() == 0,
@@ -229,23 +274,20 @@ inline ffi::Error make_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets r
     const Source kn = source(b, T * H, kNope, "k_nope_col", "k_nope must be [T, H, 128]");
     const Source vs = source(*v, T * H, kVHead, "v_col", "v must be [T, H, 128]");
     const ffi::DataType f8 = ffi::DataType::F8E4M3FN;
-    rows[e.num_head_rows++] = {q.data, H * kQkHead, kQkHead, kNope / kChunk, q.data + kNope,
-                               H * kQkHead, kQkHead, kRopeChunks, output(out[0], f8, kQkHead),
-                               H * kQkHead, kQkHead, scale(0)};
-    rows[e.num_head_rows++] = {kn.data, H * kn.width, kn.width, kNope / kChunk, kp.data, kp.width,
-                               0, kRopeChunks, output(out[1], f8, kQkHead), H * kQkHead, kQkHead,
-                               scale(1)};
-    rows[e.num_head_rows++] = {vs.data, H * vs.width, vs.width, kVHead / kChunk, nullptr, 0, 0, 0,
-                               output(out[2], f8, kVHead), H * kVHead, kVHead, scale(2)};
+    add_row(q.data, H * kQkHead, kQkHead, q.data + kNope, H * kQkHead, kQkHead,
+            output(out[0], f8, kQkHead), H * kQkHead, kQkHead, scale(0));
+    add_row(kn.data, H * kn.width, kn.width, kp.data, kp.width, 0, output(out[1], f8, kQkHead),
+            H * kQkHead, kQkHead, scale(1));
+    add_row(vs.data, H * vs.width, vs.width, nullptr, 0, 0, output(out[2], f8, kVHead),
+            H * kVHead, kVHead, scale(2));
     e.cache.scale_inv = scale(3);
   } else {
     const Source ql = source(a, T * H, kLatent, nullptr, "ql_nope must be [B, H, 512]");
     const Source qp = source(b, T * H, kRope, "q_pe_col", "q_pe must be [B, H, 64]");
     const bool fp8 = op == Op::decode_fp8;
-    rows[e.num_head_rows++] = {ql.data, H * ql.width, ql.width, kLatent / kChunk, qp.data,
-                               H * qp.width, qp.width, kRopeChunks,
-                               output(out[0], fp8 ? ffi::DataType::F8E4M3FN : act, kEntry),
-                               H * kEntry, kEntry, fp8 ? scale(0) : nullptr};
+    add_row(ql.data, H * ql.width, ql.width, qp.data, H * qp.width, qp.width,
+            output(out[0], fp8 ? ffi::DataType::F8E4M3FN : act, kEntry), H * kEntry, kEntry,
+            fp8 ? scale(0) : nullptr);
     if (fp8) e.cache.scale_inv = scale(1);
   }
   if (!ck.ok()) return ck.error();

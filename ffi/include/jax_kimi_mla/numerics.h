@@ -3,8 +3,9 @@
 // Every conversion here is integer bit arithmetic or a single IEEE operation, so the CPU and the
 // GPU produce bit-identical results. A NaN that goes through arithmetic or a conversion comes out
 // as the canonical quiet NaN of the output format (the GPU's arithmetic does not keep NaN signs
-// or payloads, x86's does); values that are only copied keep their bits. The E4M3 pair converter
-// on the GPU is a hardware instruction; e4m3_encode_pair() says why it agrees.
+// or payloads, x86's does); values that are only copied keep their bits. On the GPU the
+// narrowing conversions are the hardware's pair converters, which round the same way; only
+// their NaN codes differ, and those are replaced (bf16x2, f16x2, e4m3x4).
 #pragma once
 
 #include <cmath>
@@ -12,6 +13,8 @@
 #include <cstring>
 
 #if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #define JKM_HD __host__ __device__ __forceinline__
 #else
@@ -134,17 +137,47 @@ JKM_HD uint8_t e4m3_encode_soft(float f) {
   return uint8_t(sign | shift_right_rne((a & 0x7FFFFFu) | 0x800000u, shift));
 }
 
-// Quantizes two floats that were already multiplied by the scale inverse. On the GPU the
-// hardware pair converter (cvt.rn.satfinite.e4m3x2.f32) rounds and saturates exactly as the
-// reference encoder does; NaN lanes are given the canonical NaN code explicitly.
-JKM_HD uint16_t e4m3_encode_pair(float lo, float hi) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  uint16_t pair = __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
-  if (lo != lo) pair = uint16_t((pair & 0xFF00u) | kE4m3NaN);
-  if (hi != hi) pair = uint16_t((pair & 0x00FFu) | (kE4m3NaN << 8));
-  return pair;
+// ---- Pairs and quads: narrowed values packed into one word, the first value lowest ----
+
+// The 16-bit halves of w that hold a NaN (magnitude above `inf`, the format's infinity) become
+// `nan`. SIMD within the word: adding 0x7FFF - inf to a half's low 15 bits carries into its top
+// bit exactly when the half is a NaN.
+JKM_HD uint32_t canonical_nan_halves(uint32_t w, uint32_t inf, uint32_t nan) {
+  const uint32_t top = ((w & 0x7FFF7FFFu) + (0x7FFFu - inf) * 0x10001u) & 0x80008000u;
+  const uint32_t mask = (top >> 15) * 0xFFFFu;
+  return (w & ~mask) | (nan * 0x10001u & mask);
+}
+
+JKM_HD uint32_t bf16x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__)
+  const __nv_bfloat162 p = __float22bfloat162_rn(make_float2(lo, hi));  // RNE; NaN -> 0x7FFF
+  return canonical_nan_halves(*reinterpret_cast<const uint32_t*>(&p), 0x7F80u, kBf16NaN);
 #else
-  return uint16_t(e4m3_encode_soft(lo) | (uint16_t(e4m3_encode_soft(hi)) << 8));
+  return f32_to_bf16(lo) | uint32_t(f32_to_bf16(hi)) << 16;
+#endif
+}
+
+JKM_HD uint32_t f16x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__)
+  const __half2 p = __float22half2_rn(make_float2(lo, hi));  // RNE, overflow to inf; NaN -> 0x7FFF
+  return canonical_nan_halves(*reinterpret_cast<const uint32_t*>(&p), 0x7C00u, kF16NaN);
+#else
+  return f32_to_f16(lo) | uint32_t(f32_to_f16(hi)) << 16;
+#endif
+}
+
+// Four E4M3 codes of values already multiplied by the scale inverse. On the GPU the hardware
+// pair converter (cvt.rn.satfinite.e4m3x2.f32) rounds and saturates as the reference encoder
+// does, but keeps a NaN's sign: a code is a NaN exactly when its low 7 bits are all ones (adding
+// 1 to them carries into the sign bit), and its sign is cleared to give 0x7F.
+JKM_HD uint32_t e4m3x4(float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const uint32_t w = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3) |
+                     uint32_t(__nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3)) << 16;
+  return w & ~(((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u);
+#else
+  return e4m3_encode_soft(a) | uint32_t(e4m3_encode_soft(b)) << 8 |
+         uint32_t(e4m3_encode_soft(c)) << 16 | uint32_t(e4m3_encode_soft(d)) << 24;
 #endif
 }
 
