@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything an H200 session runs, in one device call (the device has no network: it builds against
 # its preinstalled jax/jaxlib, nanobind and scikit-build-core):
-#   bash benchmarks/h200.sh [build] [test] [sanitize] [selfcheck] [bench] [bench-quick]
+#   bash benchmarks/h200.sh [build] [test] [sanitize] [selfcheck] [bench] [bench-quick] [ncu]
 # Logs and a tarball of benchmarks/results go to $OUT (or ./h200-out).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -42,6 +42,19 @@ for s in $stages; do
     bench-quick)
       stage bench python3 -P benchmarks/bench.py --quick --out "$OUT/results" &&
         tar czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$OUT/results" ;;
+    ncu)
+      # Nsight Compute counters of the kernel at the sizes that miss issue 4's targets.
+      metrics=smsp__issue_active.avg.pct_of_peak_sustained_active,sm__inst_executed.sum,dram__bytes.sum
+      metrics=$metrics,gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
+      metrics=$metrics,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread
+      for stall in long_scoreboard barrier not_selected wait math_pipe_throttle short_scoreboard; do
+        metrics=$metrics,smsp__average_warps_issue_stalled_${stall}_per_issue_active.ratio
+      done
+      for case in "prefill_fp8_rope 8192 96" "prefill_ds_mla_rope 8192 96" "prefill_kv_rope 8192 96" \
+                  "decode_fp8_rope 4096 96" "prefill_kv_nope 8192 96" "prefill_kv_nope 8192 12" "decode_kv_nope 1 12"; do
+        stage "ncu-${case// /-}" ncu --clock-control none --kernel-name regex:epilogue_kernel --launch-skip 2 \
+          --launch-count 1 --metrics "$metrics" python3 -P benchmarks/run_once.py $case
+      done ;;
     *) echo "unknown stage $s"; status=1 ;;
   esac
 done
