@@ -184,11 +184,10 @@ inline ffi::Error make_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets r
     ck.expect(scales[i].element_type() == ffi::DataType::F32 && scales[i].element_count() == 1,
               "scale_inv arguments must be float32 with one element");
 
-  const ffi::DataType cache_type = (op == Op::prefill_ds_mla || op == Op::decode_ds_mla)
-                                       ? ffi::DataType::U8
-                                       : (op == Op::prefill_fp8 || op == Op::decode_fp8)
-                                             ? ffi::DataType::F8E4M3FN
-                                             : act;
+  const OpShape shape = op_shape(op, rope);
+  const ffi::DataType cache_type = shape.cache == CacheFormat::kDsMla ? ffi::DataType::U8
+                                   : shape.cache == CacheFormat::kFp8 ? ffi::DataType::F8E4M3FN
+                                                                      : act;
   const int64_t entry = cache_type == ffi::DataType::U8 ? kDsMlaEntryBytes : kEntry;
   ck.expect(cache.element_type() == cache_type && cache.dimensions().size() == 3 &&
                 cache.dimensions()[2] == entry,
@@ -210,7 +209,7 @@ inline ffi::Error make_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets r
     e.max_position = cos_sin.dimensions()[0];
     ck.expect(e.max_position > 0, "cos_sin_cache must have at least one row");
   }
-  e.cache_format = op_shape(op, rope).cache;
+  e.cache_format = shape.cache;
   e.cache_rows = cache.dimensions()[0] * cache.dimensions()[1];
   // An activation source: [lead..., width] read from column `col` (the attribute `col_attr`,
   // default 0), so a per-head or per-token input can be a wider producer tensor.
@@ -246,7 +245,6 @@ inline ffi::Error make_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets r
 
   const auto scale = [&](int i) { return static_cast<const float*>(scales[i].untyped_data()); };
   // The next head row: its chunk counts come from the op's shape.
-  const OpShape shape = op_shape(op, rope);
   const auto add_row = [&](const uint16_t* nope, int64_t nope_t, int64_t nope_h, const uint16_t* pe,
                            int64_t pe_t, int64_t pe_h, void* out, int64_t out_t, int64_t out_h,
                            const float* scale_inv) {
