@@ -23,26 +23,27 @@ void write_ds_mla_entry(const Epilogue& e, int64_t t, int64_t row) {
   for (int j = 0; j < kRopeChunks; ++j) store16(ds_mla_pe_dst(entry, j), make_ds_mla_pe(e, t, j));
 }
 
-void emit(const RowSpec& r, int64_t out_elem, int c, const Raw16& chunk) {
-  store_chunk(chunk_dst(r, out_elem, c), chunk, r.scale_inv != nullptr);
+void emit(const RowSpec& r, int64_t out_row, int64_t h, int c, const Raw16& chunk) {
+  store_chunk(chunk_dst(r, out_row, h, c), chunk, r.scale_inv != nullptr);
 }
 
 // One output row. Runs of chunks that are plain copies (activation output, not rotated) are one
-// memcpy each: the CPU's fast path; every other chunk goes through make_chunk.
-void emit_row(const Epilogue& e, const RowSpec& r, int64_t t, int64_t h, int64_t out_elem) {
+// memcpy each: the CPU's fast path; every other chunk goes through make_chunk. out_row: see
+// chunk_dst.
+void emit_row(const Epilogue& e, const RowSpec& r, int64_t t, int64_t h, int64_t out_row) {
   int c = 0;
   if (r.scale_inv == nullptr) {
     const int copied = e.cos_sin != nullptr ? r.nope_chunks : r.chunks();
     if (r.nope_chunks > 0)
-      std::memcpy(chunk_dst(r, out_elem, 0), chunk_src(r, t, h, 0),
+      std::memcpy(chunk_dst(r, out_row, h, 0), chunk_src(r, t, h, 0),
                   size_t(r.nope_chunks) * sizeof(Raw16));
     if (copied > r.nope_chunks)
-      std::memcpy(chunk_dst(r, out_elem, r.nope_chunks),
+      std::memcpy(chunk_dst(r, out_row, h, r.nope_chunks),
                   chunk_src(r, t, h, r.nope_chunks),
                   size_t(r.pe_chunks) * sizeof(Raw16));
     c = copied;
   }
-  for (; c < r.chunks(); ++c) emit(r, out_elem, c, make_chunk(e, r, t, h, c));
+  for (; c < r.chunks(); ++c) emit(r, out_row, h, c, make_chunk(e, r, t, h, c));
 }
 
 void run(const Plan& plan) {
@@ -54,13 +55,10 @@ void run(const Plan& plan) {
     if (row >= 0 && e.cache_format == CacheFormat::kDsMla) {
       write_ds_mla_entry(e, t, row);
     } else if (row >= 0) {
-      emit_row(e, e.cache, t, 0, row * e.cache.out_t);
+      emit_row(e, e.cache, t, 0, row);
     }
     for (int64_t h = 0; h < e.heads; ++h)
-      for (int r = 0; r < e.num_head_rows; ++r) {
-        const RowSpec& spec = e.head_rows[r];
-        emit_row(e, spec, t, h, t * spec.out_t + h * spec.out_h);
-      }
+      for (int r = 0; r < e.num_head_rows; ++r) emit_row(e, e.head_rows[r], t, h, t);
   }
 }
 

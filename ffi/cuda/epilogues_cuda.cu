@@ -42,12 +42,12 @@ __device__ __forceinline__ void locate_in_head_row(const Epilogue& e, int64_t t,
     const int h = rest / shape.chunks(), c = rest - h * shape.chunks();
     l.chunk = c;
     l.pe = c - shape.nope_chunks;
-    // Offsets within the token are 32-bit (launch() checks that they fit).
-    l.src = l.pe < 0 ? spec.nope + t * spec.nope_t + (h * int(spec.nope_h) + c * kChunk)
-                     : spec.pe + t * spec.pe_t + (h * int(spec.pe_h) + l.pe * kChunk);
-    const int64_t out_elem = t * spec.out_t + (h * int(spec.out_h) + c * kChunk);
-    l.dst = shape.fp8 ? static_cast<void*>(static_cast<uint8_t*>(spec.out) + out_elem)
-                      : static_cast<void*>(static_cast<uint16_t*>(spec.out) + out_elem);
+    // chunk_src and chunk_dst, with the nope/pe split and the output width known at compile time.
+    l.src = l.pe < 0 ? spec.nope + chunk_elem(t, spec.nope_t, h, spec.nope_h, c)
+                     : spec.pe + chunk_elem(t, spec.pe_t, h, spec.pe_h, l.pe);
+    const int64_t out = chunk_elem(t, spec.out_t, h, spec.out_h, c);
+    l.dst = shape.fp8 ? static_cast<void*>(static_cast<uint8_t*>(spec.out) + out)
+                      : static_cast<void*>(static_cast<uint16_t*>(spec.out) + out);
     if (shape.fp8) l.scale_inv = spec.scale_inv;
   }
 }
@@ -64,7 +64,7 @@ __device__ __forceinline__ Lane locate(const Epilogue& e, int64_t t, int64_t slo
     if (shape.cache == CacheFormat::kFp8) l.scale_inv = e.cache.scale_inv;
     if (slot_row >= 0)
       l.dst = shape.cache == CacheFormat::kDsMla ? static_cast<void*>(ds_mla_entry(e, slot_row))
-                                                 : chunk_dst(e.cache, slot_row * e.cache.out_t, lane);
+                                                 : chunk_dst(e.cache, slot_row, 0, lane);
     return l;
   }
   locate_in_head_row<op, kRopeOn, 0>(e, t, lane - kCacheChunks, l);
@@ -154,7 +154,7 @@ ffi::Error launch(cudaStream_t stream, const Epilogue& e) {
   const int64_t grid_y = std::min(e.tokens, kMaxGridY);
   const int64_t grid_z = (e.tokens + grid_y - 1) / grid_y;
   bool too_large = lanes > INT32_MAX || grid_z > kMaxGridY;
-  for (int r = 0; r < e.num_head_rows; ++r) {  // a token's head offsets must fit in 32 bits
+  for (int r = 0; r < e.num_head_rows; ++r) {  // TokenOffset is 32-bit on the GPU
     const RowSpec& spec = e.head_rows[r];
     for (int64_t stride : {spec.nope_h, spec.pe_h, spec.out_h})
       too_large |= stride < 0 || e.heads * (stride + kEntry) > INT32_MAX;

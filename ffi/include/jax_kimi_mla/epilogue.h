@@ -140,10 +140,24 @@ JKM_HD void e4m3x8(const float v[kChunk], float mult, uint32_t w[2]) {
                   mul_rn(v[4 * i + 3], mult));
 }
 
+// Offsets within one token's rows (head x head stride + chunk): 32-bit on the GPU, which keeps
+// each lane's index arithmetic narrow (the CUDA launcher checks that a token's rows fit), 64-bit
+// on the host.
+#if defined(__CUDA_ARCH__)
+using TokenOffset = int32_t;
+#else
+using TokenOffset = int64_t;
+#endif
+
+// The element offset of chunk c of head h's row in row t, for strides per_t and per_h.
+JKM_HD int64_t chunk_elem(int64_t t, int64_t per_t, int64_t h, int64_t per_h, int c) {
+  return t * per_t + (TokenOffset(h) * TokenOffset(per_h) + TokenOffset(c) * kChunk);
+}
+
 // Where chunk c of row r for (t, h) is read from.
 JKM_HD const uint16_t* chunk_src(const RowSpec& r, int64_t t, int64_t h, int c) {
-  if (c < r.nope_chunks) return r.nope + t * r.nope_t + h * r.nope_h + int64_t(c) * kChunk;
-  return r.pe + t * r.pe_t + h * r.pe_h + int64_t(c - r.nope_chunks) * kChunk;
+  if (c < r.nope_chunks) return r.nope + chunk_elem(t, r.nope_t, h, r.nope_h, c);
+  return r.pe + chunk_elem(t, r.pe_t, h, r.pe_h, c - r.nope_chunks);
 }
 
 // The cos/sin row that chunk c of row r is rotated by: null for nope chunks and without RoPE,
@@ -183,9 +197,10 @@ JKM_HD Raw16 make_chunk(const Epilogue& e, const RowSpec& r, int64_t t, int64_t 
                       r.scale_inv != nullptr ? *r.scale_inv : 0.0f);
 }
 
-// Where chunk c of an output row starting at element `out_elem` goes, and how wide it is.
-JKM_HD void* chunk_dst(const RowSpec& r, int64_t out_elem, int c) {
-  const int64_t i = out_elem + int64_t(c) * kChunk;
+// Where chunk c of head h's output row goes (activation dtype, or E4M3 bytes). out_row is the
+// token for a head row, the slot's cache row for the cache entry (h = 0 there).
+JKM_HD void* chunk_dst(const RowSpec& r, int64_t out_row, int64_t h, int c) {
+  const int64_t i = chunk_elem(out_row, r.out_t, h, r.out_h, c);
   if (r.scale_inv != nullptr) return static_cast<uint8_t*>(r.out) + i;
   return static_cast<uint16_t*>(r.out) + i;
 }
