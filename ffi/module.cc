@@ -4,10 +4,14 @@
 
 #include "jax_kimi_mla/ffi_plan.h"
 
+// Every FFI target of a backend: the epilogues, then the cache readers. Python's _ffi.OPS lists
+// the same names in the same order.
+#define JKM_FOR_EACH_TARGET(X) JKM_FOR_EACH_OP(X) X(mla_decode_attention)
+
 #define JKM_SYMBOL_2(backend, name) jkm_##backend##_##name
 #define JKM_SYMBOL(backend, name) JKM_SYMBOL_2(backend, name)
 #define JKM_DECLARE(name) XLA_FFI_DECLARE_HANDLER_SYMBOL(JKM_SYMBOL(JKM_BACKEND, name));
-JKM_FOR_EACH_OP(JKM_DECLARE)
+JKM_FOR_EACH_TARGET(JKM_DECLARE)
 
 namespace nb = nanobind;
 
@@ -16,7 +20,7 @@ NB_MODULE(JKM_MODULE, m) {
     nb::dict d;
 #define JKM_REGISTER(name) \
   d[#name] = nb::capsule(reinterpret_cast<void*>(&JKM_SYMBOL(JKM_BACKEND, name)));
-    JKM_FOR_EACH_OP(JKM_REGISTER)
+    JKM_FOR_EACH_TARGET(JKM_REGISTER)
 #undef JKM_REGISTER
     return d;
   });

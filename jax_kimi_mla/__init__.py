@@ -1,4 +1,5 @@
-"""Fused Kimi-K3 MLA prefill/decode epilogues for JAX, as XLA FFI custom calls (CPU and CUDA)."""
+"""Kimi-K3 MLA for JAX: the fused prefill/decode epilogues and the paged decode attention that reads
+their cache back, as XLA FFI custom calls (CPU and CUDA)."""
 
 from . import debug, layer, reference, sharding
 from ._checks import columns
@@ -9,6 +10,7 @@ from .ops import (
     fused_mla_key_concat_ds_mla_insert,
     fused_mla_key_concat_kv_cache_insert,
     fused_mla_qkv_quant_kv_cache_fp8_insert,
+    mla_decode_attention,
 )
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "fused_mla_qkv_quant_kv_cache_fp8_insert",
     "layer",
     "make_cos_sin_cache",
+    "mla_decode_attention",
     "reference",
     "sharding",
 ]

@@ -193,12 +193,13 @@ def sliced(args: dict) -> dict:
 
 def _int64_host_indices_as_int32(name: str, x):
     """With x64 off, JAX would wrap a host int64 index into int32 (2**32 + 1 -> 1). Map values
-    outside int32 to ones with the same meaning instead: a slot -> -1 (skipped, as any slot out of
-    range), a position -> the int32 bound (clamped into the table either way)."""
+    outside int32 to ones with the same meaning instead: a slot or block id -> -1 (skipped or
+    masked, as any index out of range), a position or length -> the int32 bound (clamped either
+    way)."""
     if not isinstance(x, np.ndarray) or x.dtype != np.int64 or jax.config.jax_enable_x64:
         return x
     lo, hi = np.iinfo(np.int32).min, np.iinfo(np.int32).max
-    if name == "slot_mapping":
+    if name in ("slot_mapping", "block_tables"):
         return np.where((x >= lo) & (x <= hi), x, -1).astype(np.int32)
     return np.clip(x, lo, hi).astype(np.int32)
 
@@ -274,3 +275,96 @@ def decode(ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, ds_mla, q_s
     args["slot_mapping"] = c.index("slot_mapping", slot_mapping)
     args["positions"], args["cos_sin_cache"] = c.rope(positions, cos_sin_cache)
     return c.done(positions is not None), fmt, args
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """A checked mla_decode_attention call: the arrays in FFI form and what they mean."""
+
+    q: jax.Array  # [B, S_q, H, 576]
+    kv_cache: jax.Array
+    block_tables: jax.Array
+    context_lens: jax.Array
+    q_scale_inv: jax.Array | None
+    cache_scale_inv: jax.Array | None
+    cache_format: str  # "bf16" (the activation dtype), "fp8" or "fp8_ds_mla"
+    softmax_scale: float
+    num_splits: int | None
+    squeeze: bool  # mqa_q was [B, H, 576]: outputs drop the S_q axis
+
+    @property
+    def out_dtype(self):
+        return self.q.dtype if jnp.dtype(self.q.dtype) in ACT_DTYPES else jnp.dtype(jnp.bfloat16)
+
+
+MAX_QUERY_TOKENS = 4  # S_q of mla_decode_attention
+MAX_SPLITS = 1024
+
+
+def static_bool(name: str, x) -> bool:
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False (a static Python bool), got {x!r}")
+    return bool(x)
+
+
+def decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale, ds_mla, q_scale_inv, cache_scale_inv, num_splits) -> AttentionCall:
+    """Checks an mla_decode_attention call and picks its cache format."""
+    q = as_array("mqa_q", mqa_q)
+    expect_dtype("mqa_q", q, (*ACT_DTYPES, FP8))
+    if q.ndim not in (3, 4) or q.shape[-1] != ENTRY or (q.ndim == 4 and not 1 <= q.shape[1] <= MAX_QUERY_TOKENS):
+        raise ValueError(f"mqa_q must be [B, H, {ENTRY}] or [B, S_q, H, {ENTRY}] with 1 <= S_q <= {MAX_QUERY_TOKENS}, got shape {tuple(q.shape)}")
+    squeeze = q.ndim == 3
+    if squeeze:
+        q = q.reshape(q.shape[0], 1, *q.shape[1:])
+    B = int(q.shape[0])
+    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"softmax_scale must be a Python float (a static attribute of the call), got {type(softmax_scale).__name__}")
+    ds_mla = static_bool("ds_mla", ds_mla)
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or not 1 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"num_splits must be None (chosen from the sizes) or an int in [1, {MAX_SPLITS}], got {num_splits!r}")
+    cache = as_array("kv_cache", kv_cache)
+    q_fp8 = jnp.dtype(q.dtype) == FP8
+    if ds_mla:
+        for name, s in (("q_scale_inv", q_scale_inv), ("cache_scale_inv", cache_scale_inv)):
+            if s is not None:
+                raise ValueError(f"ds_mla=True stores its own per-tile scales: {name} must be None")
+        if q_fp8:
+            raise TypeError("mqa_q is float8_e4m3fn, which only the plain fp8 cache takes; with ds_mla=True pass a bfloat16 or float16 mqa_q")
+        fmt, want_dtype, width = "fp8_ds_mla", UINT8, DS_MLA_ENTRY_BYTES
+    elif cache_scale_inv is not None:
+        fmt, want_dtype, width = "fp8", FP8, ENTRY
+    else:
+        if q_scale_inv is not None or q_fp8:
+            raise ValueError("an fp8 mqa_q (with q_scale_inv) reads only the plain fp8 cache, which needs cache_scale_inv")
+        if jnp.dtype(cache.dtype) == UINT8:
+            raise TypeError("kv_cache is uint8 (an fp8_ds_mla cache?) but ds_mla=False; pass ds_mla=True")
+        if jnp.dtype(cache.dtype) == FP8:
+            raise TypeError("kv_cache is float8_e4m3fn (the plain fp8 cache), which needs cache_scale_inv; it was not given")
+        fmt, want_dtype, width = "bf16", jnp.dtype(q.dtype), ENTRY
+    if jnp.dtype(cache.dtype) != want_dtype:
+        what = {"bf16": "the dtype of mqa_q (a bf16/fp16 cache)", "fp8": "float8_e4m3fn (the plain fp8 cache, as cache_scale_inv was given)", "fp8_ds_mla": "uint8 (the fp8_ds_mla cache of ds_mla=True)"}[fmt]
+        raise TypeError(f"kv_cache must have dtype {want_dtype}, {what}, got {cache.dtype}")
+    expect_shape("kv_cache", cache, (None, None, width), f"[num_blocks, block_size, {width}] ({fmt})")
+    if q_fp8 != (q_scale_inv is not None):
+        raise ValueError("q_scale_inv goes with an fp8 (float8_e4m3fn) mqa_q: " + ("it is missing" if q_fp8 else f"mqa_q is {q.dtype}"))
+    tables = as_array("block_tables", block_tables)
+    expect_dtype("block_tables", tables, INDEX_DTYPES)
+    if tables.ndim != 2:
+        raise ValueError(f"block_tables must be [B, max_blocks], got shape {tuple(tables.shape)}")
+    if tables.shape[0] != B:
+        raise ValueError(f"mismatched B: block_tables has {tables.shape[0]} rows but mqa_q has {B} sequences")
+    lens = as_array("context_lens", context_lens)
+    expect_dtype("context_lens", lens, INDEX_DTYPES)
+    expect_shape("context_lens", lens, (B,), f"[B] = [{B}]")
+    return AttentionCall(
+        q=q,
+        kv_cache=cache,
+        block_tables=_int64_host_indices_as_int32("block_tables", tables),
+        context_lens=_int64_host_indices_as_int32("context_lens", lens),
+        q_scale_inv=None if q_scale_inv is None else scale("q_scale_inv", q_scale_inv),
+        cache_scale_inv=None if cache_scale_inv is None else scale("cache_scale_inv", cache_scale_inv),
+        cache_format=fmt,
+        softmax_scale=float(softmax_scale),
+        num_splits=None if num_splits is None else int(num_splits),
+        squeeze=squeeze,
+    )

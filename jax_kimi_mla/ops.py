@@ -175,3 +175,90 @@ def fused_mla_decode_q_concat_kv_cache_insert(
         {4: 1},
         attrs,
     )
+
+
+# ---- the cache readers ----
+
+SPLIT_TOKENS = 64  # tokens of one split are whole 64-token tiles (DecodeAttention::kSplitTokens)
+ROWS_PER_CTA = 16  # query rows (S_q x heads) one CUDA block of the decode kernel takes
+DEFAULT_SM_COUNT = 132  # an H100/H200, when no GPU is visible at trace time
+
+
+def _sm_count() -> int:
+    """Multiprocessors of the default GPU, or 0 when the default backend is not a GPU."""
+    if jax.default_backend() != "gpu":
+        return 0
+    return getattr(jax.devices()[0], "core_count", None) or DEFAULT_SM_COUNT
+
+
+def default_num_splits(batch: int, rows: int, max_len: int, sm_count: int) -> int:
+    """The split-KV count: enough CUDA blocks (batch x ceil(rows / 16) x splits) to fill the
+    GPU's ``sm_count`` multiprocessors in whole waves, at most one split per 64-token tile.
+    One split (no combine launch) without a GPU."""
+    ctas = batch * -(-rows // ROWS_PER_CTA)
+    most = max(1, -(-max_len // SPLIT_TOKENS))
+    if sm_count <= 0 or ctas == 0:
+        return 1
+
+    def use(s):  # the fraction of the machine's block slots that s splits keep busy
+        n = ctas * s
+        return min(1.0, n / sm_count) * n / (-(-n // sm_count) * sm_count)
+
+    return max(range(1, min(most, _checks.MAX_SPLITS) + 1), key=lambda s: (round(use(s), 2), -s))
+
+
+def mla_decode_attention(
+    mqa_q, kv_cache, block_tables, context_lens, *, softmax_scale, ds_mla=False, q_scale_inv=None, cache_scale_inv=None, return_lse=False, num_splits=None
+):
+    """Paged MLA decode attention: the absorbed query over the latent cache, in one call.
+
+    Args:
+      mqa_q: [B, H, 576], or [B, S_q, H, 576] for S_q = 1..4 new tokens per sequence (the
+        decode epilogue's output). bfloat16 or float16 with any cache; float8_e4m3fn (with
+        ``q_scale_inv``) with the plain fp8 cache only.
+      kv_cache: [num_blocks, block_size, 576] in mqa_q's dtype; [num_blocks, block_size, 576]
+        float8_e4m3fn with ``cache_scale_inv``; or uint8 [num_blocks, block_size, 656] with
+        ``ds_mla=True``, as the epilogues write them.
+      block_tables: [B, max_blocks] int32/int64: token t of sequence b is row
+        ``block_tables[b, t // block_size] * block_size + t % block_size``.
+      context_lens: [B] int32/int64, the tokens of each sequence, counting the new one(s);
+        clamped to [0, max_blocks * block_size].
+      softmax_scale: a Python float (static).
+      q_scale_inv, cache_scale_inv: float32 scalars of the plain fp8 format (the reciprocals of
+        the per-tensor scales the epilogues quantized with).
+      return_lse: also return the log-sum-exp of the scaled scores.
+      num_splits: the split-KV count of the CUDA kernel (static); None chooses it from the sizes
+        and the GPU. Results do not depend on it.
+
+    Returns:
+      out [B, (S_q,) H, 512] in mqa_q's dtype (bfloat16 for an fp8 mqa_q): the softmax-weighted
+      latents (before W_UV), and with ``return_lse`` lse float32 [B, (S_q,) H] (natural log).
+      Query j of S_q sees tokens ``0 .. context_len - S_q + j``; a query that sees no token gets
+      zeros and lse -inf. Tokens whose block id is outside [0, num_blocks) are masked out.
+
+    Example::
+
+      out = jax.jit(functools.partial(mla_decode_attention, softmax_scale=192 ** -0.5))(
+          mqa_q, kv_cache, block_tables, context_lens)
+    """
+    c = _checks.decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale, ds_mla, q_scale_inv, cache_scale_inv, num_splits)
+    B, S, H = c.q.shape[:3]
+    max_len = c.block_tables.shape[1] * c.kv_cache.shape[1]
+    splits = c.num_splits or default_num_splits(B, S * H, max_len, _sm_count())
+    no_scale = jnp.zeros((0,), jnp.float32)
+    scales = [no_scale if s is None else jnp.reshape(s, (1,)) for s in (c.q_scale_inv, c.cache_scale_inv)]
+    partials = (splits * B * S * H * (_checks.L + 1),) if splits > 1 else (0,)
+    out, lse, _ = _ffi.call(
+        "mla_decode_attention",
+        [c.q, c.kv_cache, c.block_tables, c.context_lens, *scales],
+        [
+            jax.ShapeDtypeStruct((B, S, H, _checks.L), c.out_dtype),
+            jax.ShapeDtypeStruct((B, S, H), jnp.float32),
+            jax.ShapeDtypeStruct(partials, jnp.float32),
+        ],
+        {},
+        {"softmax_scale": np.float32(c.softmax_scale), "num_splits": np.int64(splits)},
+    )
+    if c.squeeze:
+        out, lse = out[:, 0], lse[:, 0]
+    return (out, lse) if return_lse else out

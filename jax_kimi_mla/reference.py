@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _checks
-from .numerics import ds_mla_encode, quantize_e4m3, rope
+from .numerics import ds_mla_dequantize, ds_mla_encode, quantize_e4m3, rope
 
 P = _checks.P
 
@@ -128,3 +128,51 @@ def fused_mla_decode_q_concat_kv_cache_insert(
     k_pe = a["k_pe"].reshape(checked.tokens, _checks.R)
     cache = _insert(a["kv_cache"], _entry(fmt, a["kv_c_normed"], r32, k_pe, checked.rope, a.get("cache_scale_inv")), a["slot_mapping"])
     return mqa_q, cache
+
+
+def _dequantized_entries(c, rows):
+    """The cache entries at flat ``rows`` [...] as float32 [..., 576]."""
+    entries = c.kv_cache.reshape(-1, c.kv_cache.shape[-1])[rows]
+    if c.cache_format == "fp8_ds_mla":
+        latent, k_pe = ds_mla_dequantize(entries)
+        return jnp.concatenate([latent, k_pe.astype(jnp.float32)], -1)
+    entries = entries.astype(jnp.float32)
+    return entries if c.cache_scale_inv is None else entries / jnp.reshape(c.cache_scale_inv, ())
+
+
+def mla_decode_attention(
+    mqa_q, kv_cache, block_tables, context_lens, *, softmax_scale, ds_mla=False, q_scale_inv=None, cache_scale_inv=None, return_lse=False, num_splits=None
+):
+    """Reference of :func:`jax_kimi_mla.mla_decode_attention`: every table slot's entry gathered
+    as float32 [B, max_blocks * block_size, 576], then two einsums (``num_splits`` is ignored).
+
+    A token past its sequence's length, or whose block id is outside [0, num_blocks), is zeroed
+    before the einsums, so garbage and NaN there never reach the result. A NaN among a
+    sequence's tokens can reach every one of its S_q queries (0 * NaN in the weighted sum), as in
+    the CUDA kernel, whose S_q queries share their token tiles.
+    """
+    c = _checks.decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale, ds_mla, q_scale_inv, cache_scale_inv, num_splits)
+    B, S = c.q.shape[:2]
+    num_blocks, block_size = c.kv_cache.shape[:2]
+    q = c.q.astype(jnp.float32)
+    if c.q_scale_inv is not None:
+        q = q / jnp.reshape(c.q_scale_inv, ())
+    t = jnp.arange(c.block_tables.shape[1] * block_size)
+    blocks = c.block_tables[:, t // block_size]  # [B, tokens]
+    in_cache = (blocks >= 0) & (blocks < num_blocks)
+    lens = jnp.clip(c.context_lens, 0, t.shape[0])
+    readable = in_cache & (t < lens[:, None])
+    entries = _dequantized_entries(c, jnp.where(readable, blocks * block_size + t % block_size, 0))
+    entries = jnp.where(readable[..., None], entries, 0.0)
+    visible = lens[:, None] - S + 1 + jnp.arange(S)  # [B, S_q]: query j sees tokens < visible
+    mask = in_cache[:, None, None, :] & (t < visible[:, :, None, None])  # [B, S_q, 1, tokens]
+    scores = jnp.where(mask, jnp.einsum("bshc,btc->bsht", q, entries) * jnp.float32(c.softmax_scale), -jnp.inf)
+    m = jnp.max(scores, -1, keepdims=True)
+    p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))
+    total = jnp.sum(p, -1, keepdims=True)
+    lse = (jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(total))[..., 0]
+    p = p / jnp.where(total > 0, total, 1.0)
+    out = jnp.einsum("bsht,btl->bshl", p, entries[..., : _checks.L]).astype(c.out_dtype)
+    if c.squeeze:
+        out, lse = out[:, 0], lse[:, 0]
+    return (out, lse) if return_lse else out

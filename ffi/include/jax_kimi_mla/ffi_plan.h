@@ -14,7 +14,7 @@ namespace jax_kimi_mla {
 
 namespace ffi = xla::ffi;
 
-// The FFI targets, one per kernel. Python's _ffi.OPS lists the same names in the same order.
+// The epilogue FFI targets, one per kernel (ffi/module.cc adds the cache readers).
 #define JKM_FOR_EACH_OP(X) \
   X(prefill_kv_cache)      \
   X(prefill_ds_mla)        \
