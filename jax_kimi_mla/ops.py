@@ -192,19 +192,19 @@ def _sm_count() -> int:
 
 
 def default_num_splits(batch: int, rows: int, max_len: int, sm_count: int) -> int:
-    """The split-KV count: enough CUDA blocks (batch x ceil(rows / 16) x splits) to fill the
-    GPU's ``sm_count`` multiprocessors in whole waves, at most one split per 64-token tile.
-    One split (no combine launch) without a GPU."""
+    """The split-KV count: the fewest splits whose CUDA blocks (batch x ceil(rows / 16) x splits)
+    keep >= 90% of the GPU's ``sm_count`` block slots busy in whole waves (else the best one),
+    at most one split per 64-token tile. One split (no combine launch) without a GPU."""
     ctas = batch * -(-rows // ROWS_PER_CTA)
-    most = max(1, -(-max_len // SPLIT_TOKENS))
+    most = min(max(1, -(-max_len // SPLIT_TOKENS)), _checks.MAX_SPLITS)
     if sm_count <= 0 or ctas == 0:
         return 1
 
-    def use(s):  # the fraction of the machine's block slots that s splits keep busy
+    def use(s):  # the fraction of block slots that s splits keep busy
         n = ctas * s
         return min(1.0, n / sm_count) * n / (-(-n // sm_count) * sm_count)
 
-    return max(range(1, min(most, _checks.MAX_SPLITS) + 1), key=lambda s: (round(use(s), 2), -s))
+    return next((s for s in range(1, most + 1) if use(s) >= 0.9), max(range(1, most + 1), key=use))
 
 
 def mla_decode_attention(

@@ -1,0 +1,595 @@
+"""Benchmark of paged MLA decode attention: FFI op vs jnp reference vs the HBM floor, and the layer step.
+
+Per point: the device time per call of ``jax_kimi_mla.mla_decode_attention`` and of the jitted
+``jax_kimi_mla.reference.mla_decode_attention`` (same inputs, nothing donated), and the floor, the
+bytes a call must move divided by the copy ceiling measured in the same run (bench.py's jitted copy
+of a 2 GiB array, read + write bytes):
+
+    bytes = B * context * cache bytes per token (bf16 1152, fp8 576, fp8_ds_mla 656) + q + out
+
+Every point: block size 64, every sequence at the same context, block tables exactly
+ceil(context / 64) wide holding distinct random block ids (a permutation), a cache of just the
+blocks needed (plus a few) filled with valid entries of normal latents and k_pe, a normal query
+(plain fp8: an fp8 query with q_scale_inv, as the layer's decode feeds it), S_q = 1 unless stated.
+
+1. memory: H 12, 16; B 16, 64, 128; context 16k, 32k; bf16, fp8, fp8_ds_mla.
+2. small: H 12; B 1, 2, 4, 8; context 4k ... 128k; bf16, fp8_ds_mla.
+3. multi: S_q 1, 2, 4 (mqa_q [B, S_q, H, 576]) at H 12, B 64, context 16k; bf16, fp8_ds_mla.
+4. wide: H 128, bf16, B 64, context 8k: TFLOP/s against a dense bf16 matmul 8192^3.
+5. reference: H 12, B 64, context 16k: the speedup over the jnp reference.
+6. layer: ``jax_kimi_mla.layer.decode`` (hidden 7168, H 12, q_lora_rank 1536) jitted with the cache
+   donated; floor = weights + the context's cache entries + activations, each moved once.
+
+Device time is the median over the profiled calls (``jax_kimi_mla._profile``) of one call's summed
+kernel durations; without a device trace (the CPU backend) the wall time stands in, marked "wall".
+
+    python -P benchmarks/bench_attention.py                  # everything, on the default backend
+    python -P benchmarks/bench_attention.py --quick          # tiny sizes: a smoke run, fine on CPU
+    python -P benchmarks/bench_attention.py --only memory,layer
+
+Writes results.csv (row by row, so a killed run keeps what it measured), RESULTS.md (a table per
+section, the targets judged PASS/MISS) and plots/*.png under --out (default:
+benchmarks/results/<platform>-attention[-quick]).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import functools
+import math
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+
+import jax_kimi_mla
+from jax_kimi_mla import layer
+from jax_kimi_mla._checks import DS_MLA_ENTRY_BYTES, ENTRY, L, R
+from jax_kimi_mla.numerics import ds_mla_encode, quantize_e4m3
+
+# bench.py sits beside this file; python -P does not put the script's folder on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import COPY_BYTES, QUICK_COPY_BYTES, Timing, copy_ceiling, measure  # noqa: E402
+
+BLOCK = 64
+SPARE_BLOCKS = 4  # cache blocks beyond those the tables hold
+FILL_CHUNK_BLOCKS = 1024  # the cache is filled this many blocks at a time (bounded scratch memory)
+HEADS = 12  # Kimi-K3 heads per GPU at TP8
+Q_LORA_RANK = 1536
+FORMATS = ("bf16", "fp8", "fp8_ds_mla")
+TWO_FORMATS = ("bf16", "fp8_ds_mla")
+CACHE_ROW_BYTES = {"bf16": 2 * ENTRY, "fp8": ENTRY, "fp8_ds_mla": DS_MLA_ENTRY_BYTES}
+SECTIONS = {
+    "memory": "1. Memory-bound regime",
+    "small": "2. Small batches",
+    "multi": "3. Several query tokens per sequence",
+    "wide": "4. H = 128: compute",
+    "reference": "5. Against the jnp reference",
+    "layer": "6. Layer decode step",
+}
+# Targets.
+MIN_CEILING_FRACTION = 0.85
+MIN_DS_MLA_OVER_BF16 = 1.6
+MAX_SMALL_US = 6.0
+MIN_MATMUL_FRACTION = 0.5
+MIN_SPEEDUP = {"bf16": 6.0, "fp8_ds_mla": 10.0}
+MAX_LAYER_OVER_FLOOR = 1.5
+
+FIELDS = [
+    "section", "name", "cache_format", "heads", "batch", "context", "q_tokens", "bytes", "weight_bytes",
+    "floor_us", "op_us", "op_kernels", "op_wall_us", "ceiling_fraction",
+    "ref_us", "ref_kernels", "ref_wall_us", "speedup", "tflops", "time_source", "error",
+]
+
+
+@dataclass(frozen=True)
+class Sizes:
+    memory: tuple = ((12, 16), (16, 64, 128), (16384, 32768))  # H, B, context
+    small: tuple = ((1, 2, 4, 8), (4096, 16384, 65536, 131072))  # B, context (H = 12)
+    point: tuple = (64, 16384)  # B, context of the multi-token and reference sections
+    q_tokens: tuple = (1, 2, 4)
+    wide: tuple = (128, 64, 8192)  # H, B, context
+    matmul: int = 8192
+    hidden: int = 7168
+    layer: tuple = (("bf16", 64, 16384), ("fp8_ds_mla", 64, 16384), ("bf16", 1, 4096), ("bf16", 128, 32768))
+    copy_bytes: int = COPY_BYTES
+
+
+FULL = Sizes()
+QUICK = Sizes(
+    memory=((12,), (2,), (256, 512)), small=((1, 2), (128, 1024)), point=(2, 256), wide=(128, 2, 256), matmul=512,
+    hidden=1024, layer=(("bf16", 2, 256), ("fp8_ds_mla", 2, 256), ("bf16", 1, 128)), copy_bytes=QUICK_COPY_BYTES,
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    section: str
+    fmt: str
+    heads: int
+    batch: int
+    context: int
+    q_tokens: int = 1
+
+    @property
+    def name(self) -> str:
+        tokens = f" S_q={self.q_tokens}" if self.section == "multi" else ""
+        return f"{self.section} {self.fmt} H={self.heads} B={self.batch} ctx={self.context}{tokens}"
+
+
+def cases(s: Sizes) -> list[Case]:
+    heads, batches, contexts = s.memory
+    out = [Case("memory", f, h, b, c) for h in heads for b in batches for c in contexts for f in FORMATS]
+    out += [Case("small", f, HEADS, b, c) for b in s.small[0] for c in s.small[1] for f in TWO_FORMATS]
+    b, c = s.point
+    out += [Case("multi", f, HEADS, b, c, q) for f in TWO_FORMATS for q in s.q_tokens]
+    h, wb, wc = s.wide
+    out.append(Case("wide", "bf16", h, wb, wc))
+    out += [Case("reference", f, HEADS, b, c) for f in TWO_FORMATS]
+    out += [Case("layer", f, HEADS, lb, lc) for f, lb, lc in s.layer]
+    return out
+
+
+# ---- inputs ----
+
+def paging(batch: int, context: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, int]:
+    """(block_tables int32 [B, ceil(context / 64)] of distinct random blocks, context_lens int32 [B],
+    num_blocks): the blocks the tables hold plus a few, rounded up to whole fill chunks."""
+    width = math.ceil(context / BLOCK)
+    needed = batch * width + SPARE_BLOCKS
+    chunk = min(needed, FILL_CHUNK_BLOCKS)
+    num_blocks = math.ceil(needed / chunk) * chunk
+    tables = rng.permutation(num_blocks)[: batch * width].reshape(batch, width).astype(np.int32)
+    return tables, np.full(batch, context, np.int32), num_blocks
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "num_blocks"))
+def random_cache(key, fmt: str, num_blocks: int) -> jax.Array:
+    """A paged cache [num_blocks, 64, W] of valid entries of standard normal latents and k_pe,
+    made a chunk of blocks at a time (``jax.lax.map``), so scratch memory stays one chunk's."""
+    chunk = min(num_blocks, FILL_CHUNK_BLOCKS)
+    rows = chunk * BLOCK
+
+    def entries(k):
+        k_latent, k_pe = jax.random.split(k)
+        latent = jax.random.normal(k_latent, (rows, L), jnp.float32)
+        k_pe = jax.random.normal(k_pe, (rows, R), jnp.float32)
+        if fmt == "fp8_ds_mla":
+            return ds_mla_encode(latent, k_pe.astype(jnp.bfloat16))
+        x = jnp.concatenate([latent, k_pe], -1)
+        return quantize_e4m3(x, layer.FP8_SCALE_INV) if fmt == "fp8" else x.astype(jnp.bfloat16)
+
+    return jax.lax.map(entries, jax.random.split(key, num_blocks // chunk)).reshape(num_blocks, BLOCK, -1)
+
+
+def attention_inputs(case: Case, seed: int) -> list:
+    """[mqa_q, kv_cache, block_tables, context_lens, q_scale_inv, cache_scale_inv] (scales None
+    but for plain fp8, whose query is fp8 too)."""
+    tables, lens, num_blocks = paging(case.batch, case.context, np.random.default_rng(seed))
+    k_q, k_cache = jax.random.split(jax.random.key(seed))
+    tokens = (case.q_tokens,) if case.section == "multi" else ()
+    q = jax.random.normal(k_q, (case.batch, *tokens, case.heads, ENTRY), jnp.float32)
+    if case.fmt == "fp8":
+        scale_inv = jnp.float32(layer.FP8_SCALE_INV)
+        q, scales = quantize_e4m3(q, scale_inv), [scale_inv, scale_inv]
+    else:
+        q, scales = q.astype(jnp.bfloat16), [None, None]
+    cache = random_cache(k_cache, case.fmt, num_blocks)
+    return [q, cache, jnp.asarray(tables), jnp.asarray(lens), *scales]
+
+
+def attention_bytes(case: Case) -> int:
+    q_rows = case.batch * case.q_tokens * case.heads
+    return (case.batch * case.context * CACHE_ROW_BYTES[case.fmt]
+            + q_rows * ENTRY * (1 if case.fmt == "fp8" else 2) + q_rows * L * 2)
+
+
+def _attention(fn, mqa_q, kv_cache, block_tables, context_lens, q_scale_inv, cache_scale_inv, *,
+               softmax_scale, ds_mla, num_splits):
+    return fn(mqa_q, kv_cache, block_tables, context_lens, softmax_scale=softmax_scale, ds_mla=ds_mla,
+              q_scale_inv=q_scale_inv, cache_scale_inv=cache_scale_inv, num_splits=num_splits)
+
+
+_attention_jit = jax.jit(_attention, static_argnums=0, static_argnames=("softmax_scale", "ds_mla", "num_splits"))
+
+
+def attention_step(fn, fmt: str):
+    """``fn`` (the op or the reference) jitted on attention_inputs' list, the static keywords bound;
+    num_splits None: the op chooses."""
+    return functools.partial(_attention_jit, fn, softmax_scale=layer.SOFTMAX_SCALE, ds_mla=fmt == "fp8_ds_mla",
+                             num_splits=None)
+
+
+def layer_config(case: Case, hidden: int) -> layer.MLAConfig:
+    return layer.MLAConfig(hidden_size=hidden, num_heads=case.heads, q_lora_rank=Q_LORA_RANK, cache_format=case.fmt)
+
+
+def layer_inputs(case: Case, hidden: int, seed: int) -> list:
+    """[params, x, positions, slot_mapping, block_tables, context_lens, kv_cache] of one decode step:
+    every sequence's new token is its last (position context - 1), written to its table's slot."""
+    tables, lens, num_blocks = paging(case.batch, case.context, np.random.default_rng(seed))
+    positions = lens - 1
+    slots = (tables[np.arange(case.batch), positions // BLOCK] * BLOCK + positions % BLOCK).astype(np.int32)
+    k_params, k_x, k_cache = jax.random.split(jax.random.key(seed), 3)
+    params = layer.init_params(k_params, layer_config(case, hidden))
+    x = jax.random.normal(k_x, (case.batch, hidden), jnp.float32).astype(jnp.bfloat16)
+    cache = random_cache(k_cache, case.fmt, num_blocks)
+    return [params, x, *map(jnp.asarray, (positions, slots, tables, lens)), cache]
+
+
+def layer_bytes(case: Case, hidden: int) -> tuple[int, int]:
+    """(weight bytes, all bytes) of the floor: weights, the context's cache entries and the
+    activations (x, out, the index arrays), each moved once."""
+    shapes = jax.eval_shape(functools.partial(layer.init_params, config=layer_config(case, hidden)), jax.random.key(0))
+    weights = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(shapes))
+    index = 4 * case.batch * (3 + math.ceil(case.context / BLOCK))
+    activations = 2 * case.batch * hidden * 2 + index
+    return weights, weights + case.batch * case.context * CACHE_ROW_BYTES[case.fmt] + activations
+
+
+# ---- measuring ----
+
+def timed(step, args: list, donated: dict[int, int]) -> tuple[Timing | None, str]:
+    try:
+        return measure(step, args, donated), ""
+    except Exception as e:  # e.g. out of memory: record it, go on
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+
+
+def _fill(row: dict, prefix: str, t: Timing | None) -> None:
+    if t is not None:
+        row.update({f"{prefix}_us": t.seconds * 1e6, f"{prefix}_kernels": t.kernels, f"{prefix}_wall_us": t.wall_s * 1e6})
+
+
+def measure_case(case: Case, sizes: Sizes, ceiling: float, seed: int) -> dict:
+    row = dict(section=case.section, name=case.name, cache_format=case.fmt, heads=case.heads, batch=case.batch,
+               context=case.context, q_tokens=case.q_tokens)
+    errors = []
+    if case.section == "layer":
+        step = jax.jit(functools.partial(layer.decode, config=layer_config(case, sizes.hidden)), donate_argnums=6)
+        args = layer_inputs(case, sizes.hidden, seed)
+        op, error = timed(step, args, {6: 1})
+        del args
+        errors.append(error)
+        row["weight_bytes"], row["bytes"] = layer_bytes(case, sizes.hidden)
+    else:
+        args = attention_inputs(case, seed)
+        op, error = timed(attention_step(jax_kimi_mla.mla_decode_attention, case.fmt), args, {})
+        errors.append(error and f"op: {error}")
+        ref, error = timed(attention_step(jax_kimi_mla.reference.mla_decode_attention, case.fmt), args, {})
+        errors.append(error and f"reference: {error}")
+        del args
+        _fill(row, "ref", ref)
+        row["bytes"] = attention_bytes(case)
+        if op is not None and ref is not None:
+            row["speedup"] = ref.seconds / op.seconds
+    _fill(row, "op", op)
+    row["floor_us"] = row["bytes"] / ceiling * 1e6
+    if op is not None:
+        row["ceiling_fraction"] = row["floor_us"] / row["op_us"]
+        row["time_source"] = op.source
+        if case.section == "wide":
+            # Per query row and token: a 576-wide dot for the score, 512 multiply-adds for the output.
+            flops = 2 * (ENTRY + L) * case.batch * case.q_tokens * case.heads * case.context
+            row["tflops"] = flops / op.seconds / 1e12
+    row["error"] = "; ".join(e for e in errors if e)
+    return row
+
+
+def calibration(sizes: Sizes, with_matmul: bool) -> tuple[float, list[dict]]:
+    """The copy ceiling (bytes / s), and rows for it, the smallest op and (for the wide section)
+    a dense bf16 matmul: the yardsticks of this run."""
+    ceiling, copy = copy_ceiling(sizes.copy_bytes)
+    rows = [dict(section="calibration", name=f"copy {sizes.copy_bytes >> 20} MiB", bytes=2 * sizes.copy_bytes,
+                 op_us=copy.seconds * 1e6, op_kernels=copy.kernels, op_wall_us=copy.wall_s * 1e6, time_source=copy.source)]
+    smallest = measure(jax.jit(lambda x: x + 1), [jnp.zeros((1,), jnp.float32)], {})
+    rows.append(dict(section="calibration", name="smallest op (x + 1, one float32)", op_us=smallest.seconds * 1e6,
+                     op_kernels=smallest.kernels, op_wall_us=smallest.wall_s * 1e6, time_source=smallest.source))
+    if with_matmul:
+        n = sizes.matmul
+        a, b = jax.random.normal(jax.random.key(1), (2, n, n), jnp.float32).astype(jnp.bfloat16)
+        mm = measure(jax.jit(jnp.matmul), [a, b], {})
+        del a, b
+        rows.append(dict(section="calibration", name=f"matmul bf16 {n}^3", op_us=mm.seconds * 1e6, op_kernels=mm.kernels,
+                         op_wall_us=mm.wall_s * 1e6, tflops=2 * n**3 / mm.seconds / 1e12, time_source=mm.source))
+    for r in rows:
+        print(f"{r['name']:40} {r['op_us']:10.2f} us  [{r['time_source']}]", flush=True)
+    print(f"copy ceiling: {ceiling / 1e9:.1f} GB/s", flush=True)
+    return ceiling, rows
+
+
+# ---- RESULTS.md ----
+
+def _ok(rows: list[dict], section: str) -> list[dict]:
+    return [r for r in rows if r["section"] == section and r.get("op_us") is not None]
+
+
+def _verdict(points: list, good: bool) -> str:
+    return "not measured" if not points else ("PASS" if good else "**MISS**")
+
+
+def _span(values: list[float], fmt: str) -> str:
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def _pairs(rows: list[dict], key) -> list[tuple[dict, dict]]:
+    """(bf16 row, fp8_ds_mla row) pairs of equal key(row)."""
+    ds = {key(r): r for r in rows if r["cache_format"] == "fp8_ds_mla"}
+    return [(r, ds[key(r)]) for r in rows if r["cache_format"] == "bf16" and key(r) in ds]
+
+
+def target_lines(rows: list[dict], sizes: Sizes) -> list[str]:
+    memory = _ok(rows, "memory")
+    lines = ["| target | status | measured |", "|---|---|---|"]
+    by_fmt = {f: [r["ceiling_fraction"] for r in memory if r["cache_format"] == f] for f in FORMATS}
+    lowest = min(memory, key=lambda r: r["ceiling_fraction"], default=None)
+    lines.append(
+        f"| 1. memory-bound: every format >= {MIN_CEILING_FRACTION:.0%} of the copy ceiling | "
+        f"{_verdict(memory, all(r['ceiling_fraction'] >= MIN_CEILING_FRACTION for r in memory))} | "
+        + "; ".join(f"{f} {_span(v, '{:.0%}')}" for f, v in by_fmt.items() if v)
+        + (f"; lowest {lowest['name']} {lowest['ceiling_fraction']:.0%}" if lowest else "") + " |")
+    pairs = _pairs(memory, lambda r: (r["heads"], r["batch"], r["context"]))
+    ratios = [(bf["op_us"] / ds["op_us"], bf) for bf, ds in pairs]
+    worst = min(ratios, key=lambda x: x[0], default=None)
+    lines.append(
+        f"| 1. memory-bound: fp8_ds_mla >= {MIN_DS_MLA_OVER_BF16}x faster than bf16 at the same H, B, context | "
+        f"{_verdict(ratios, all(x >= MIN_DS_MLA_OVER_BF16 for x, _ in ratios))} | "
+        + (f"{_span([x for x, _ in ratios], '{:.2f}x')}; lowest at H={worst[1]['heads']} B={worst[1]['batch']}"
+           f" ctx={worst[1]['context']}" if worst else "-") + " |")
+    b, c = min(sizes.small[0]), min(sizes.small[1])
+    small = [r for r in _ok(rows, "small") if r["batch"] == b and r["context"] == c]
+    lines.append(
+        f"| 2. B = {b}, context {c}, H = {HEADS}: <= {MAX_SMALL_US:g} us | "
+        f"{_verdict(small, all(r['op_us'] <= MAX_SMALL_US for r in small))} | "
+        + ", ".join(f"{r['cache_format']} {r['op_us']:.2f} us" for r in small) + " |")
+    wide = _ok(rows, "wide")
+    matmul = [r for r in rows if r["name"].startswith("matmul")]
+    if wide and matmul:
+        share = wide[0]["tflops"] / matmul[0]["tflops"]
+        measured = f"{wide[0]['tflops']:.0f} of {matmul[0]['tflops']:.0f} TFLOP/s ({share:.0%})"
+    else:
+        share, measured = 0.0, "-"
+    h, wb, wc = sizes.wide
+    lines.append(f"| 4. H = {h}, bf16, B = {wb}, context {wc}: >= {MIN_MATMUL_FRACTION:.0%} of the dense bf16 matmul rate | "
+                 f"{_verdict(wide and matmul, share >= MIN_MATMUL_FRACTION)} | {measured} |")
+    reference = [r for r in _ok(rows, "reference") if r.get("speedup") is not None]
+    for fmt, least in MIN_SPEEDUP.items():
+        mine = [r for r in reference if r["cache_format"] == fmt]
+        lines.append(f"| 5. {fmt}: >= {least:g}x faster than the reference at B = {sizes.point[0]}, context {sizes.point[1]} | "
+                     f"{_verdict(mine, all(r['speedup'] >= least for r in mine))} | "
+                     + ", ".join(f"{r['speedup']:.1f}x ({r['op_us']:.1f} vs {r['ref_us']:.1f} us)" for r in mine) + " |")
+    steps = _ok(rows, "layer")
+    lines.append(f"| 6. layer decode step <= {MAX_LAYER_OVER_FLOOR}x its floor | "
+                 f"{_verdict(steps, all(r['op_us'] <= MAX_LAYER_OVER_FLOOR * r['floor_us'] for r in steps))} | "
+                 + ", ".join(f"{r['cache_format']} B={r['batch']} ctx={r['context']} {r['op_us'] / r['floor_us']:.2f}x"
+                             for r in steps) + " |")
+    pairs = _pairs(steps, lambda r: (r["batch"], r["context"]))
+    lines.append("| 6. layer: fp8_ds_mla step faster than bf16 | "
+                 f"{_verdict(pairs, all(ds['op_us'] < bf['op_us'] for bf, ds in pairs))} | "
+                 + ", ".join(f"B={bf['batch']} ctx={bf['context']}: {ds['op_us']:.1f} vs {bf['op_us']:.1f} us"
+                             for bf, ds in pairs) + " |")
+    return lines
+
+
+def _num(x, fmt: str = "{:.2f}") -> str:
+    return "-" if x is None or x == "" else fmt.format(x)
+
+
+def attention_table(rows: list[dict], extra: tuple = ()) -> list[str]:
+    """One line per row; ``extra``: (header, row -> text) columns appended."""
+    head = ["format", "H", "B", "context", "S_q", "MB moved", "floor us", "op us", "ref us", "speedup",
+            "of ceiling", "kernels op/ref", *(h for h, _ in extra)]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for r in rows:
+        cells = [r["cache_format"], r["heads"], r["batch"], r["context"], r["q_tokens"], _num(r["bytes"] / 1e6, "{:.1f}"),
+                 _num(r["floor_us"]), _num(r.get("op_us")), _num(r.get("ref_us")), _num(r.get("speedup"), "{:.1f}x"),
+                 _num(r.get("ceiling_fraction"), "{:.0%}"),
+                 f"{_num(r.get('op_kernels'), '{:g}')}/{_num(r.get('ref_kernels'), '{:g}')}", *(fn(r) for _, fn in extra)]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return lines
+
+
+def layer_table(rows: list[dict]) -> list[str]:
+    lines = ["| format | H | B | context | weights MB | MB moved | floor us | step us | step / floor | kernels |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        over = r["op_us"] / r["floor_us"] if r.get("op_us") is not None else None
+        lines.append(f"| {r['cache_format']} | {r['heads']} | {r['batch']} | {r['context']} | {r['weight_bytes'] / 1e6:.1f}"
+                     f" | {r['bytes'] / 1e6:.1f} | {r['floor_us']:.1f} | {_num(r.get('op_us'), '{:.1f}')}"
+                     f" | {_num(over, '{:.2f}x')} | {_num(r.get('op_kernels'), '{:g}')} |")
+    return lines
+
+
+def write_markdown(path: Path, meta: dict, rows: list[dict], sizes: Sizes, plots: dict, skipped: list[str]) -> None:
+    calib = {r["name"]: r for r in rows if r["section"] == "calibration"}
+    lines = [
+        "# Paged MLA decode attention: FFI op vs jnp reference vs the HBM floor",
+        "",
+        f"- date: {meta['date']}; jax {jax.__version__}, jaxlib {jaxlib.__version__}, Python {platform.python_version()}",
+        f"- device: {meta['device']}",
+        f"- time per call: {meta['time_note']}",
+        f"- copy ceiling: {meta['ceiling'] / 1e9:.1f} GB/s (jitted jnp.copy of {sizes.copy_bytes >> 20} MiB, read + write bytes)",
+        *(f"- {name}: {r['op_us']:.2f} us" + (f", {r['tflops']:.0f} TFLOP/s" if r.get("tflops") else "")
+          for name, r in calib.items() if not name.startswith("copy")),
+        "- floor = bytes / copy ceiling; bytes = B * context * cache bytes per token (bf16 1152, fp8 576,",
+        "  fp8_ds_mla 656) + q + out; \"of ceiling\" = floor / op time. Block size 64, every sequence at the",
+        "  context shown, tables ceil(context / 64) wide of distinct random blocks, normal latents; the plain",
+        "  fp8 query is fp8 (with q_scale_inv). Op and reference are jitted, num_splits chosen by the op.",
+        "",
+        "## Targets, from this run",
+        "",
+        *([] if meta["device_timed"] else ["Times are not all device times (see above): the judgements are not meaningful.", ""]),
+        *target_lines(rows, sizes),
+        "",
+    ]
+    for section, title in SECTIONS.items():
+        mine = [r for r in rows if r["section"] == section]
+        if not mine:
+            continue
+        lines += [f"## {title}", ""]
+        lines += [f"![{name}](plots/{name})" for name in plots.get(section, ())]
+        if plots.get(section):
+            lines.append("")
+        if section == "layer":
+            lines += [f"jax_kimi_mla.layer.decode, hidden {sizes.hidden}, q_lora_rank {Q_LORA_RANK}, jitted with the cache",
+                      "donated; floor = weights + each sequence's cache entries + activations, each moved once.", "",
+                      *layer_table(mine)]
+        elif section == "wide":
+            matmul = next((r for r in rows if r["name"].startswith("matmul")), None)
+            lines += attention_table(mine, (
+                ("TFLOP/s", lambda r: _num(r.get("tflops"), "{:.0f}")),
+                ("of matmul", lambda r: _num(r["tflops"] / matmul["tflops"] if matmul and r.get("tflops") else None, "{:.0%}")),
+            ))
+        elif section == "multi":
+            one = {r["cache_format"]: r["op_us"] for r in mine if r["q_tokens"] == 1 and r.get("op_us") is not None}
+            lines += attention_table(mine, (("op / S_q=1", lambda r: _num(
+                r["op_us"] / one[r["cache_format"]] if r.get("op_us") is not None and r["cache_format"] in one else None,
+                "{:.2f}x")),))
+        else:
+            lines += attention_table(mine)
+        errors = [r for r in mine if r["error"]]
+        lines += ["", *[f"- {r['name']}: {r['error']}" for r in errors], ""]
+    if skipped:
+        lines += ["## Not measured (time limit)", "", *[f"- {s}" for s in skipped], ""]
+    path.write_text("\n".join(lines))
+
+
+def write_plots(directory: Path, rows: list[dict], time_label: str) -> dict[str, list[str]]:
+    """Time vs context per format (memory, small sections), fraction of the ceiling vs bytes;
+    returns the file names per section."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    colors = dict(zip(FORMATS, ("C0", "C1", "C2")))
+    plots = {}
+    for section in ("memory", "small"):
+        mine = _ok(rows, section)
+        panels = sorted({(r["heads"], r["batch"]) for r in mine})
+        if not panels:
+            continue
+        cols = min(3, len(panels))
+        fig, axes = plt.subplots(math.ceil(len(panels) / cols), cols, figsize=(5 * cols, 3.8 * math.ceil(len(panels) / cols)),
+                                 squeeze=False)
+        for ax, (h, b) in zip(axes.flat, panels):
+            for fmt in FORMATS:
+                pts = sorted((r for r in mine if (r["heads"], r["batch"], r["cache_format"]) == (h, b, fmt)),
+                             key=lambda r: r["context"])
+                if not pts:
+                    continue
+                x = [r["context"] for r in pts]
+                ax.plot(x, [r["op_us"] for r in pts], "o-", color=colors[fmt], label=f"{fmt} op")
+                ref = [(r["context"], r["ref_us"]) for r in pts if r.get("ref_us") is not None]
+                if ref:
+                    ax.plot(*zip(*ref), "s--", color=colors[fmt], alpha=0.5, label=f"{fmt} reference")
+                ax.plot(x, [r["floor_us"] for r in pts], ":", color=colors[fmt], label=f"{fmt} floor")
+            ax.set(xscale="log", yscale="log", title=f"H={h}, B={b}", xlabel="context (tokens)",
+                   ylabel=f"time per call (us, {time_label})")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+        for ax in list(axes.flat)[len(panels):]:
+            ax.set_visible(False)
+        fig.tight_layout()
+        name = f"time_vs_context_{section}.png"
+        fig.savefig(directory / name, dpi=110)
+        plt.close(fig)
+        plots[section] = [name]
+    points = [r for s in ("memory", "small", "multi") for r in _ok(rows, s)]
+    if points:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for fmt in FORMATS:
+            pts = [r for r in points if r["cache_format"] == fmt]
+            if pts:
+                ax.plot([r["bytes"] / 1e6 for r in pts], [100 * r["ceiling_fraction"] for r in pts], "o", color=colors[fmt],
+                        label=fmt, alpha=0.8)
+        ax.axhline(100 * MIN_CEILING_FRACTION, color="k", ls="--", lw=1, label="target")
+        ax.set(xscale="log", xlabel="bytes a call moves (MB)", ylabel="floor / op time (% of copy ceiling)",
+               title="Fraction of the copy ceiling (memory, small, multi)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(directory / "ceiling_fraction.png", dpi=110)
+        plt.close(fig)
+        plots.setdefault("memory", []).append("ceiling_fraction.png")
+    return plots
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
+    parser.add_argument("--out", type=Path, help="output directory (default: benchmarks/results/<platform>-attention[-quick])")
+    parser.add_argument("--only", help="comma-separated substrings of case names to run, e.g. memory,layer or 'small fp8_ds_mla'")
+    parser.add_argument("--time-limit-s", type=float, default=420.0,
+                        help="stop starting new cases after this many seconds; the rest is listed as not measured")
+    parser.add_argument("--seed", type=int, default=0)
+    opts = parser.parse_args(argv)
+
+    started = time.monotonic()
+    sizes = QUICK if opts.quick else FULL
+    wanted = [w for w in (opts.only or "").split(",") if w]
+    todo = [c for c in cases(sizes) if not wanted or any(w in c.name for w in wanted)]
+    if any(c.section != "layer" for c in todo) and not (
+            hasattr(jax_kimi_mla, "mla_decode_attention") and hasattr(jax_kimi_mla.reference, "mla_decode_attention")):
+        sys.exit(f"jax_kimi_mla ({jax_kimi_mla.__file__}) has no mla_decode_attention (op and reference): "
+                 "install a build that has it, or run only the layer section (--only layer)")
+    device = jax.devices()[0]
+    out = opts.out or Path(__file__).parent / "results" / f"{device.platform}-attention{'-quick' if opts.quick else ''}"
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"jax {jax.__version__} on {device.device_kind} ({device.platform}); {len(todo)} cases; writing to {out}", flush=True)
+
+    ceiling, rows = calibration(sizes, any(c.section == "wide" for c in todo))
+    skipped = []
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: r.get(k) for k in FIELDS})
+        for case in todo:
+            if time.monotonic() - started > opts.time_limit_s:
+                skipped.append(case.name)
+                continue
+            row = measure_case(case, sizes, ceiling, opts.seed)
+            rows.append(row)
+            writer.writerow({k: row.get(k) for k in FIELDS})
+            f.flush()
+            ref = f"  ref {row['ref_us']:10.2f} us ({_num(row.get('ref_kernels'), '{:g}')} k)" if row.get("ref_us") else ""
+            op = (f"op {row['op_us']:10.2f} us ({_num(row.get('op_kernels'), '{:g}')} k, {row['ceiling_fraction']:4.0%} of ceiling)"
+                  if row.get("op_us") is not None else "op -")
+            print(f"{case.name:48} floor {row['floor_us']:10.2f} us  {op}{ref}"
+                  + (f"  [{row['time_source']}]" if row.get("time_source") else "")
+                  + (f"  ERROR {row['error']}" if row["error"] else ""), flush=True)
+
+    measured = [r for r in rows if r["section"] != "calibration"]
+    sources = {r["time_source"] for r in rows if r.get("time_source")}
+    device_timed = sources == {"device"}
+    meta = dict(
+        date=datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        device=f"{device.device_kind} ({device.platform}), {jax.device_count()} device(s)",
+        ceiling=ceiling, device_timed=device_timed,
+        time_note=("device time, the median over the profiled calls of the summed kernel durations of one call"
+                   if device_timed else
+                   f"source {', '.join(sorted(sources)) or '-'}: 'wall' is wall clock per call (median, each call "
+                   "waited for), standing in where the profiler has no device plane (CPU); 'device-mean' is a mean "
+                   "where the trace's events could not be split into calls"),
+    )
+    plots = write_plots(out / "plots", measured, "device" if device_timed else "wall")
+    write_markdown(out / "RESULTS.md", meta, rows, sizes, plots, skipped)
+    failed = sum(bool(r["error"]) for r in measured)
+    print(f"done in {time.monotonic() - started:.0f} s: {len(measured)} cases, {failed} with errors,"
+          f" {len(skipped)} not measured; see {out / 'RESULTS.md'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

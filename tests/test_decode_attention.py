@@ -1,0 +1,221 @@
+"""mla_decode_attention against its jnp reference, on the CPU handler and the CUDA kernel.
+
+Every case is fresh random data over a paged cache whose unused blocks hold NaN, with hostile
+table entries past each sequence's length, out-of-range block ids inside it (masked), blocks
+shared between sequences (prefix caching), ragged lengths (0, 1, bs - 1, bs, bs + 1 and long
+ones) and S_q = 1, 2 or 4 causal queries.
+
+Tolerances, against the float32 reference on the same dequantized cache:
+- out: the CPU handler differs only by float32 summation order and the final rounding, the
+  CUDA kernel also rounds the probabilities to the 16-bit MMA type (relative 2^-9 for bf16,
+  2^-11 for fp16) before the weighted sum: |diff| <= 2^-6 (1 + |ref|) for bf16 outputs covers
+  one output ulp (2^-8 relative) plus that; fp16 outputs get 2^-8.
+- lse: float32 scores of exactly widened inputs, summed in another order: 1e-3 absolute. An
+  fp16 mqa_q over an fp8 or fp8_ds_mla cache is rounded to bf16 on the GPU (relative 2^-9 per
+  element, about 1e-2 on scores of magnitude ~5): 3e-2 there, and 2^-5 on out.
+- -inf (no visible token) and NaN positions must match exactly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_kimi_mla
+from jax_kimi_mla import reference
+from jax_kimi_mla.numerics import ds_mla_encode, quantize_e4m3
+
+L, ENTRY = 512, 576
+SCALE = 192**-0.5
+GARBAGE_IDS = (2147480000, -5, -1)  # table entries past a length: never read
+FP8_CACHE_SCALE_INV, FP8_Q_SCALE_INV = 448.0 / 8.0, 448.0 / 32.0
+
+# (cache format, mqa_q dtype)
+FORMATS = (
+    ("bf16", "bfloat16"),
+    ("bf16", "float16"),
+    ("fp8", "bfloat16"),
+    ("fp8", "float8_e4m3fn"),
+    ("fp8_ds_mla", "bfloat16"),
+    ("fp8_ds_mla", "float16"),
+)
+
+
+def tolerances(fmt: str, q_dtype: str) -> tuple[float, float]:
+    """(out, lse) tolerances of the module docstring."""
+    if q_dtype == "float16" and fmt != "bf16":
+        return 2.0**-5, 3e-2
+    return (2.0**-8 if q_dtype == "float16" else 2.0**-6), 1e-3
+
+
+def nan_entry(fmt: str, dtype) -> np.ndarray:
+    """One cache row that decodes to NaN everywhere (in the format's own bits)."""
+    if fmt == "fp8_ds_mla":
+        row = np.full(656, 0x7F, np.uint8)  # E4M3 NaN codes, NaN scales, bf16 NaN k_pe
+        row[528:] = np.frombuffer(np.full(64, 0x7FC0, np.uint16).tobytes(), np.uint8)
+        return row
+    return np.full(ENTRY, np.nan, np.float32).astype(dtype)
+
+
+def entries(fmt: str, q_dtype: str, latents: np.ndarray) -> np.ndarray:
+    """Cache rows [n, width] of float32 [n, 576] values in the format."""
+    if fmt == "fp8_ds_mla":
+        return np.array(ds_mla_encode(jnp.asarray(latents[:, :L]), jnp.asarray(latents[:, L:], jnp.bfloat16)))
+    if fmt == "fp8":
+        return np.array(quantize_e4m3(jnp.asarray(latents), jnp.float32(FP8_CACHE_SCALE_INV)))
+    return latents.astype(np.dtype(q_dtype))
+
+
+def make_case(fmt, q_dtype, *, lens, q_tokens=1, heads=3, block_size=16, index=np.int32, seed=0, nan_token=None):
+    """Named numpy inputs of one call (and its keyword arguments)."""
+    rng = np.random.default_rng(seed)
+    B = len(lens)
+    max_blocks = max(1, -(-max(lens) // block_size))
+    num_blocks = B * max_blocks + 3
+    q = rng.standard_normal((B, q_tokens, heads, ENTRY)).astype(np.float32)
+    kw = {"softmax_scale": SCALE}
+    if q_dtype == "float8_e4m3fn":
+        q = np.asarray(quantize_e4m3(jnp.asarray(q), jnp.float32(FP8_Q_SCALE_INV)))
+        kw["q_scale_inv"] = np.float32(FP8_Q_SCALE_INV)
+    else:
+        q = q.astype(np.dtype(q_dtype))
+    if fmt == "fp8":
+        kw["cache_scale_inv"] = np.float32(FP8_CACHE_SCALE_INV)
+    if fmt == "fp8_ds_mla":
+        kw["ds_mla"] = True
+    values = rng.standard_normal((num_blocks * block_size, ENTRY)).astype(np.float32)
+    cache = entries(fmt, q_dtype, values)
+    # Blocks: a permutation; the last sequence shares its first block with the one before it
+    # (a common prefix).
+    ids = rng.permutation(num_blocks)[: B * max_blocks].reshape(B, max_blocks).astype(np.int64)
+    if B > 1:
+        ids[-1, 0] = ids[-2, 0]
+    used = np.zeros(num_blocks, bool)
+    for b, n in enumerate(lens):
+        nb = -(-n // block_size)
+        ids[b, nb:] = [GARBAGE_IDS[i % len(GARBAGE_IDS)] for i in range(max_blocks - nb)]
+        if nb > 1:  # an out-of-range id inside the length: those tokens are masked out
+            ids[b, nb - 2] = num_blocks + b
+        used[ids[b, :nb][(ids[b, :nb] >= 0) & (ids[b, :nb] < num_blocks)]] = True
+    rows = cache.reshape(num_blocks, block_size, -1)
+    rows[~used] = nan_entry(fmt, cache.dtype)
+    # Rows past the length inside a sequence's last block hold NaN too.
+    for b, n in enumerate(lens):
+        if n % block_size and 0 <= ids[b, n // block_size] < num_blocks:
+            rows[ids[b, n // block_size], n % block_size :] = nan_entry(fmt, cache.dtype)
+    if nan_token is not None:  # (b, t): a NaN inside the length
+        b, t = nan_token
+        rows[ids[b, t // block_size], t % block_size] = nan_entry(fmt, cache.dtype)
+    args = dict(mqa_q=q, kv_cache=rows, block_tables=ids.astype(index), context_lens=np.asarray(lens, index))
+    return args, kw
+
+
+def run(fn, args, kw, backend):
+    """fn under jax.jit on the backend's first device -> numpy (out as float32, lse)."""
+    arrays = {k: v for k, v in kw.items() if isinstance(v, np.ndarray | np.floating)}
+    static = {k: v for k, v in kw.items() if k not in arrays}
+    step = jax.jit(lambda a, s: fn(*a, **s, **static, return_lse=True))
+    a, s = jax.device_put((list(args.values()), arrays), jax.devices(backend)[0])
+    out, lse = step(a, s)
+    return np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+
+
+def poisoned_run(args, kw, backend):
+    """The FFI op, after a call of the same shapes whose outputs are all NaN (a NaN query): an
+    output element the kernel fails to write keeps a NaN from the allocator's last buffer."""
+    q = args["mqa_q"]
+    nan_q = np.full(q.shape, np.nan, np.float32).astype(q.dtype)  # E4M3 too: NaN -> 0x7F
+    nan_args = dict(args, mqa_q=nan_q)
+    run(jax_kimi_mla.mla_decode_attention, nan_args, kw, backend)
+    return run(jax_kimi_mla.mla_decode_attention, args, kw, backend)
+
+
+def assert_close(fmt, q_dtype, got, want):
+    out_tol, lse_tol = tolerances(fmt, q_dtype)
+    (out, lse), (ref_out, ref_lse) = got, want
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse), err_msg="lse NaN positions")
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse), err_msg="lse -inf positions")
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=lse_tol, rtol=0, err_msg="lse")
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref_out), err_msg="out NaN positions")
+    ok = ~np.isnan(ref_out)
+    err = np.abs(out[ok] - ref_out[ok]) - out_tol * (1 + np.abs(ref_out[ok]))
+    assert err.max(initial=-1) <= 0, f"out differs by up to {np.abs(out[ok] - ref_out[ok]).max()}"
+    assert not np.any(out[~finite[..., None].repeat(L, -1)]), "rows with nothing visible must be zeros"
+
+
+LENS = (0, 1, 15, 16, 17, 100)  # block size 16: 0, 1, bs - 1, bs, bs + 1, a longer one
+
+
+@pytest.mark.parametrize("q_tokens", (1, 2, 4))
+@pytest.mark.parametrize("fmt,q_dtype", FORMATS)
+def test_matches_reference(backend, fmt, q_dtype, q_tokens):
+    args, kw = make_case(fmt, q_dtype, lens=LENS, q_tokens=q_tokens, seed=q_tokens)
+    want = run(reference.mla_decode_attention, args, kw, "cpu")
+    assert_close(fmt, q_dtype, poisoned_run(args, kw, backend), want)
+
+
+@pytest.mark.parametrize("block_size", (1, 16, 32, 64, 128, 48))
+def test_block_sizes_and_int64_indices(backend, block_size):
+    with jax.enable_x64(True):
+        args, kw = make_case("bf16", "bfloat16", lens=(0, 5, 3 * block_size + 1, 300), block_size=block_size, index=np.int64)
+        assert_close("bf16", "bfloat16", poisoned_run(args, kw, backend), run(reference.mla_decode_attention, args, kw, "cpu"))
+
+
+@pytest.mark.parametrize("num_splits", (1, 2, 3, 7, 40))
+@pytest.mark.parametrize("fmt,q_dtype", (("bf16", "bfloat16"), ("fp8_ds_mla", "bfloat16")))
+def test_split_count_does_not_change_the_result(backend, fmt, q_dtype, num_splits):
+    args, kw = make_case(fmt, q_dtype, lens=(700, 64, 1, 0, 129), q_tokens=2, heads=20)
+    want = run(reference.mla_decode_attention, args, kw, "cpu")
+    assert_close(fmt, q_dtype, poisoned_run(args, dict(kw, num_splits=num_splits), backend), want)
+
+
+def test_nan_inside_the_length_propagates(backend):
+    args, kw = make_case("bf16", "bfloat16", lens=(40, 40), nan_token=(0, 35))  # block 2: not shared, not masked
+    out, lse = run(jax_kimi_mla.mla_decode_attention, args, kw, backend)
+    assert np.isnan(lse[0]).all() and np.isnan(out[0]).all()
+    assert np.isfinite(lse[1]).all() and np.isfinite(out[1]).all()
+
+
+@pytest.mark.parametrize("shape", ((0, 3, ENTRY), (2, 0, ENTRY), (0, 2, 3, ENTRY)))
+def test_empty_batch_or_heads(backend, shape):
+    q = np.zeros(shape, ml_dtypes.bfloat16)
+    B = shape[0]
+    args = dict(mqa_q=q, kv_cache=np.zeros((4, 16, ENTRY), ml_dtypes.bfloat16), block_tables=np.zeros((B, 2), np.int32), context_lens=np.zeros((B,), np.int32))
+    out, lse = run(jax_kimi_mla.mla_decode_attention, args, {"softmax_scale": SCALE}, backend)
+    assert out.shape == (*shape[:-1], L) and lse.shape == shape[:-1]
+
+
+def test_three_and_four_dim_queries_agree():
+    args, kw = make_case("bf16", "bfloat16", lens=(30, 7), q_tokens=1)
+    out4, lse4 = run(jax_kimi_mla.mla_decode_attention, args, kw, "cpu")
+    out3, lse3 = run(jax_kimi_mla.mla_decode_attention, dict(args, mqa_q=args["mqa_q"][:, 0]), kw, "cpu")
+    np.testing.assert_array_equal(out3, out4[:, 0])
+    np.testing.assert_array_equal(lse3, lse4[:, 0])
+
+
+def test_returns_out_alone_without_lse():
+    args, kw = make_case("bf16", "bfloat16", lens=(30,))
+    out = jax_kimi_mla.mla_decode_attention(*args.values(), **kw)
+    assert isinstance(out, jax.Array) and out.shape == (1, 1, 3, L) and out.dtype == jnp.bfloat16
+
+
+def test_default_split_count_fills_the_gpu():
+    split = jax_kimi_mla.ops.default_num_splits
+    assert split(64, 12, 16384, 0) == 1  # no GPU: one split, no combine
+    assert split(1, 12, 4096, 132) == 64  # B = 1: one split per 64-token tile, up to the SMs
+    assert split(64, 12, 16384, 132) == 2  # 128 blocks: one wave of 132 SMs
+    assert split(4096, 12, 16384, 132) == 1
+    assert split(1, 12, 64, 132) == 1  # never more splits than tiles
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt,q_dtype", FORMATS)
+def test_cuda_long_contexts(fmt, q_dtype):
+    """Thousands of tokens per sequence, many splits, the GPU's default split count."""
+    args, kw = make_case(fmt, q_dtype, lens=(5000, 4096, 1, 2049), q_tokens=2, heads=16, block_size=64, seed=3)
+    want = run(reference.mla_decode_attention, args, kw, "cpu")
+    assert_close(fmt, q_dtype, poisoned_run(args, kw, "cuda"), want)
