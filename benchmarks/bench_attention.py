@@ -105,8 +105,8 @@ class Sizes:
 
 FULL = Sizes()
 QUICK = Sizes(
-    memory=((12,), (2,), (256, 512)), small=((1, 2), (128, 1024)), point=(2, 256), wide=(128, 2, 256), matmul=512,
-    hidden=1024, layer=(("bf16", 2, 256), ("fp8_ds_mla", 2, 256), ("bf16", 1, 128)), copy_bytes=QUICK_COPY_BYTES,
+    memory=((12,), (2,), (128, 256)), small=((1, 2), (64, 256)), point=(2, 128), wide=(128, 1, 64), matmul=512,
+    hidden=1024, layer=(("bf16", 2, 128), ("fp8_ds_mla", 2, 128), ("bf16", 1, 64)), copy_bytes=QUICK_COPY_BYTES,
 )
 
 
@@ -237,11 +237,15 @@ def layer_bytes(case: Case, hidden: int) -> tuple[int, int]:
 
 # ---- measuring ----
 
+def _message(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+
+
 def timed(step, args: list, donated: dict[int, int]) -> tuple[Timing | None, str]:
     try:
         return measure(step, args, donated), ""
     except Exception as e:  # e.g. out of memory: record it, go on
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+        return None, _message(e)
 
 
 def _fill(row: dict, prefix: str, t: Timing | None) -> None:
@@ -249,9 +253,14 @@ def _fill(row: dict, prefix: str, t: Timing | None) -> None:
         row.update({f"{prefix}_us": t.seconds * 1e6, f"{prefix}_kernels": t.kernels, f"{prefix}_wall_us": t.wall_s * 1e6})
 
 
+def case_row(case: Case) -> dict:
+    return dict(section=case.section, name=case.name, cache_format=case.fmt, heads=case.heads, batch=case.batch,
+                context=case.context, q_tokens=case.q_tokens)
+
+
 def measure_case(case: Case, sizes: Sizes, ceiling: float, seed: int) -> dict:
-    row = dict(section=case.section, name=case.name, cache_format=case.fmt, heads=case.heads, batch=case.batch,
-               context=case.context, q_tokens=case.q_tokens)
+    """The case's row; an op or the reference that fails leaves its columns empty and its error."""
+    row = case_row(case)
     errors = []
     if case.section == "layer":
         step = jax.jit(functools.partial(layer.decode, config=layer_config(case, sizes.hidden)), donate_argnums=6)
@@ -312,10 +321,6 @@ def _ok(rows: list[dict], section: str) -> list[dict]:
     return [r for r in rows if r["section"] == section and r.get("op_us") is not None]
 
 
-def _verdict(points: list, good: bool) -> str:
-    return "not measured" if not points else ("PASS" if good else "**MISS**")
-
-
 def _span(values: list[float], fmt: str) -> str:
     lo, hi = fmt.format(min(values)), fmt.format(max(values))
     return lo if lo == hi else f"{lo}-{hi}"
@@ -328,55 +333,50 @@ def _pairs(rows: list[dict], key) -> list[tuple[dict, dict]]:
 
 
 def target_lines(rows: list[dict], sizes: Sizes) -> list[str]:
-    memory = _ok(rows, "memory")
+    """The targets judged from this run's rows: one table line each, "not measured" without points."""
     lines = ["| target | status | measured |", "|---|---|---|"]
-    by_fmt = {f: [r["ceiling_fraction"] for r in memory if r["cache_format"] == f] for f in FORMATS}
-    lowest = min(memory, key=lambda r: r["ceiling_fraction"], default=None)
-    lines.append(
-        f"| 1. memory-bound: every format >= {MIN_CEILING_FRACTION:.0%} of the copy ceiling | "
-        f"{_verdict(memory, all(r['ceiling_fraction'] >= MIN_CEILING_FRACTION for r in memory))} | "
-        + "; ".join(f"{f} {_span(v, '{:.0%}')}" for f, v in by_fmt.items() if v)
-        + (f"; lowest {lowest['name']} {lowest['ceiling_fraction']:.0%}" if lowest else "") + " |")
-    pairs = _pairs(memory, lambda r: (r["heads"], r["batch"], r["context"]))
-    ratios = [(bf["op_us"] / ds["op_us"], bf) for bf, ds in pairs]
-    worst = min(ratios, key=lambda x: x[0], default=None)
-    lines.append(
-        f"| 1. memory-bound: fp8_ds_mla >= {MIN_DS_MLA_OVER_BF16}x faster than bf16 at the same H, B, context | "
-        f"{_verdict(ratios, all(x >= MIN_DS_MLA_OVER_BF16 for x, _ in ratios))} | "
-        + (f"{_span([x for x, _ in ratios], '{:.2f}x')}; lowest at H={worst[1]['heads']} B={worst[1]['batch']}"
-           f" ctx={worst[1]['context']}" if worst else "-") + " |")
+
+    def judge(target: str, points: list, good, measured) -> None:
+        status = "PASS" if points and good() else ("**MISS**" if points else "not measured")
+        lines.append(f"| {target} | {status} | {measured() if points else '-'} |")
+
+    memory = _ok(rows, "memory")
+    judge(f"1. memory-bound: every format >= {MIN_CEILING_FRACTION:.0%} of the copy ceiling", memory,
+          lambda: all(r["ceiling_fraction"] >= MIN_CEILING_FRACTION for r in memory),
+          lambda: "; ".join(f"{f} {_span([r['ceiling_fraction'] for r in memory if r['cache_format'] == f], '{:.0%}')}"
+                            for f in FORMATS if any(r["cache_format"] == f for r in memory))
+          + "; lowest: {name} {ceiling_fraction:.0%}".format(**min(memory, key=lambda r: r["ceiling_fraction"])))
+    ratios = [(bf["op_us"] / ds["op_us"], bf["name"]) for bf, ds in
+              _pairs(memory, lambda r: (r["heads"], r["batch"], r["context"]))]
+    judge(f"1. memory-bound: fp8_ds_mla >= {MIN_DS_MLA_OVER_BF16}x faster than bf16 at the same H, B, context", ratios,
+          lambda: all(x >= MIN_DS_MLA_OVER_BF16 for x, _ in ratios),
+          lambda: f"{_span([x for x, _ in ratios], '{:.2f}x')}; lowest at {min(ratios)[1].replace('memory bf16 ', '')}")
     b, c = min(sizes.small[0]), min(sizes.small[1])
     small = [r for r in _ok(rows, "small") if r["batch"] == b and r["context"] == c]
-    lines.append(
-        f"| 2. B = {b}, context {c}, H = {HEADS}: <= {MAX_SMALL_US:g} us | "
-        f"{_verdict(small, all(r['op_us'] <= MAX_SMALL_US for r in small))} | "
-        + ", ".join(f"{r['cache_format']} {r['op_us']:.2f} us" for r in small) + " |")
-    wide = _ok(rows, "wide")
-    matmul = [r for r in rows if r["name"].startswith("matmul")]
-    if wide and matmul:
-        share = wide[0]["tflops"] / matmul[0]["tflops"]
-        measured = f"{wide[0]['tflops']:.0f} of {matmul[0]['tflops']:.0f} TFLOP/s ({share:.0%})"
-    else:
-        share, measured = 0.0, "-"
+    judge(f"2. B = {b}, context {c}, H = {HEADS}: <= {MAX_SMALL_US:g} us", small,
+          lambda: all(r["op_us"] <= MAX_SMALL_US for r in small),
+          lambda: ", ".join(f"{r['cache_format']} {r['op_us']:.2f} us" for r in small))
+    wide = [(r, m) for r in _ok(rows, "wide") for m in rows if m["name"].startswith("matmul")]
     h, wb, wc = sizes.wide
-    lines.append(f"| 4. H = {h}, bf16, B = {wb}, context {wc}: >= {MIN_MATMUL_FRACTION:.0%} of the dense bf16 matmul rate | "
-                 f"{_verdict(wide and matmul, share >= MIN_MATMUL_FRACTION)} | {measured} |")
-    reference = [r for r in _ok(rows, "reference") if r.get("speedup") is not None]
+    judge(f"4. H = {h}, bf16, B = {wb}, context {wc}: >= {MIN_MATMUL_FRACTION:.0%} of the dense bf16 matmul rate", wide,
+          lambda: all(r["tflops"] >= MIN_MATMUL_FRACTION * m["tflops"] for r, m in wide),
+          lambda: ", ".join(f"{r['tflops']:.1f} of {m['tflops']:.1f} TFLOP/s ({r['tflops'] / m['tflops']:.0%})"
+                            for r, m in wide))
     for fmt, least in MIN_SPEEDUP.items():
-        mine = [r for r in reference if r["cache_format"] == fmt]
-        lines.append(f"| 5. {fmt}: >= {least:g}x faster than the reference at B = {sizes.point[0]}, context {sizes.point[1]} | "
-                     f"{_verdict(mine, all(r['speedup'] >= least for r in mine))} | "
-                     + ", ".join(f"{r['speedup']:.1f}x ({r['op_us']:.1f} vs {r['ref_us']:.1f} us)" for r in mine) + " |")
+        mine = [r for r in _ok(rows, "reference") if r["cache_format"] == fmt and r.get("speedup") is not None]
+        judge(f"5. {fmt}: >= {least:g}x faster than the reference at B = {sizes.point[0]}, context {sizes.point[1]}", mine,
+              lambda: all(r["speedup"] >= least for r in mine),
+              lambda: ", ".join(f"{r['speedup']:.1f}x ({r['op_us']:.1f} vs {r['ref_us']:.1f} us)" for r in mine))
     steps = _ok(rows, "layer")
-    lines.append(f"| 6. layer decode step <= {MAX_LAYER_OVER_FLOOR}x its floor | "
-                 f"{_verdict(steps, all(r['op_us'] <= MAX_LAYER_OVER_FLOOR * r['floor_us'] for r in steps))} | "
-                 + ", ".join(f"{r['cache_format']} B={r['batch']} ctx={r['context']} {r['op_us'] / r['floor_us']:.2f}x"
-                             for r in steps) + " |")
+    judge(f"6. layer decode step <= {MAX_LAYER_OVER_FLOOR}x its floor", steps,
+          lambda: all(r["op_us"] <= MAX_LAYER_OVER_FLOOR * r["floor_us"] for r in steps),
+          lambda: ", ".join(f"{r['cache_format']} B={r['batch']} ctx={r['context']} {r['op_us'] / r['floor_us']:.2f}x"
+                            for r in steps))
     pairs = _pairs(steps, lambda r: (r["batch"], r["context"]))
-    lines.append("| 6. layer: fp8_ds_mla step faster than bf16 | "
-                 f"{_verdict(pairs, all(ds['op_us'] < bf['op_us'] for bf, ds in pairs))} | "
-                 + ", ".join(f"B={bf['batch']} ctx={bf['context']}: {ds['op_us']:.1f} vs {bf['op_us']:.1f} us"
-                             for bf, ds in pairs) + " |")
+    judge("6. layer: fp8_ds_mla step faster than bf16 at the same B, context", pairs,
+          lambda: all(ds["op_us"] < bf["op_us"] for bf, ds in pairs),
+          lambda: ", ".join(f"B={bf['batch']} ctx={bf['context']}: {ds['op_us']:.1f} vs {bf['op_us']:.1f} us"
+                            for bf, ds in pairs))
     return lines
 
 
@@ -418,7 +418,7 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], sizes: Sizes, plots
         f"- device: {meta['device']}",
         f"- time per call: {meta['time_note']}",
         f"- copy ceiling: {meta['ceiling'] / 1e9:.1f} GB/s (jitted jnp.copy of {sizes.copy_bytes >> 20} MiB, read + write bytes)",
-        *(f"- {name}: {r['op_us']:.2f} us" + (f", {r['tflops']:.0f} TFLOP/s" if r.get("tflops") else "")
+        *(f"- {name}: {r['op_us']:.2f} us" + (f", {r['tflops']:.1f} TFLOP/s" if r.get("tflops") else "")
           for name, r in calib.items() if not name.startswith("copy")),
         "- floor = bytes / copy ceiling; bytes = B * context * cache bytes per token (bf16 1152, fp8 576,",
         "  fp8_ds_mla 656) + q + out; \"of ceiling\" = floor / op time. Block size 64, every sequence at the",
@@ -439,6 +439,8 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], sizes: Sizes, plots
         lines += [f"![{name}](plots/{name})" for name in plots.get(section, ())]
         if plots.get(section):
             lines.append("")
+        errors = [r for r in mine if r["error"]]
+        mine = [r for r in mine if "bytes" in r]  # not those whose inputs could not be built
         if section == "layer":
             lines += [f"jax_kimi_mla.layer.decode, hidden {sizes.hidden}, q_lora_rank {Q_LORA_RANK}, jitted with the cache",
                       "donated; floor = weights + each sequence's cache entries + activations, each moved once.", "",
@@ -446,7 +448,7 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], sizes: Sizes, plots
         elif section == "wide":
             matmul = next((r for r in rows if r["name"].startswith("matmul")), None)
             lines += attention_table(mine, (
-                ("TFLOP/s", lambda r: _num(r.get("tflops"), "{:.0f}")),
+                ("TFLOP/s", lambda r: _num(r.get("tflops"), "{:.1f}")),
                 ("of matmul", lambda r: _num(r["tflops"] / matmul["tflops"] if matmul and r.get("tflops") else None, "{:.0%}")),
             ))
         elif section == "multi":
@@ -456,7 +458,6 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], sizes: Sizes, plots
                 "{:.2f}x")),))
         else:
             lines += attention_table(mine)
-        errors = [r for r in mine if r["error"]]
         lines += ["", *[f"- {r['name']}: {r['error']}" for r in errors], ""]
     if skipped:
         lines += ["## Not measured (time limit)", "", *[f"- {s}" for s in skipped], ""]
@@ -494,8 +495,11 @@ def write_plots(directory: Path, rows: list[dict], time_label: str) -> dict[str,
                 if ref:
                     ax.plot(*zip(*ref), "s--", color=colors[fmt], alpha=0.5, label=f"{fmt} reference")
                 ax.plot(x, [r["floor_us"] for r in pts], ":", color=colors[fmt], label=f"{fmt} floor")
+            contexts = sorted({r["context"] for r in mine})
             ax.set(xscale="log", yscale="log", title=f"H={h}, B={b}", xlabel="context (tokens)",
                    ylabel=f"time per call (us, {time_label})")
+            ax.set_xticks(contexts, [f"{c // 1024}k" if c % 1024 == 0 else str(c) for c in contexts])
+            ax.set_xticks([], minor=True)
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
         for ax in list(axes.flat)[len(panels):]:
@@ -559,14 +563,18 @@ def main(argv=None) -> int:
             if time.monotonic() - started > opts.time_limit_s:
                 skipped.append(case.name)
                 continue
-            row = measure_case(case, sizes, ceiling, opts.seed)
+            try:
+                row = measure_case(case, sizes, ceiling, opts.seed)
+            except Exception as e:  # building the inputs failed (out of memory?): record it, go on
+                row = case_row(case) | dict(error=_message(e))
             rows.append(row)
             writer.writerow({k: row.get(k) for k in FIELDS})
             f.flush()
             ref = f"  ref {row['ref_us']:10.2f} us ({_num(row.get('ref_kernels'), '{:g}')} k)" if row.get("ref_us") else ""
             op = (f"op {row['op_us']:10.2f} us ({_num(row.get('op_kernels'), '{:g}')} k, {row['ceiling_fraction']:4.0%} of ceiling)"
                   if row.get("op_us") is not None else "op -")
-            print(f"{case.name:48} floor {row['floor_us']:10.2f} us  {op}{ref}"
+            floor = f"floor {row['floor_us']:10.2f} us  " if "floor_us" in row else ""
+            print(f"{case.name:48} {floor}{op}{ref}"
                   + (f"  [{row['time_source']}]" if row.get("time_source") else "")
                   + (f"  ERROR {row['error']}" if row["error"] else ""), flush=True)
 

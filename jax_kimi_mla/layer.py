@@ -61,6 +61,11 @@ class MLAConfig:
     cache_format: str = "bf16"
     dtype: Any = jnp.bfloat16
     rms_norm_eps: float = 1e-6
+    softmax_scale: float | None = None  # None: 1 / sqrt(192); YaRN models fold in mscale^2
+
+    @property
+    def attention_scale(self) -> float:
+        return SOFTMAX_SCALE if self.softmax_scale is None else float(self.softmax_scale)
 
     def __post_init__(self):
         if self.cache_format not in CACHE_FORMATS:
@@ -195,7 +200,7 @@ def prefill(params, x, positions, slot_mapping, kv_cache, *, config, block_table
 
     Returns:
       (out [T, hidden] activation dtype, kv_cache). Token t attends to the cached context and to
-      the chunk's tokens 0..t, with softmax scale 1/sqrt(192).
+      the chunk's tokens 0..t, with softmax scale ``config.attention_scale``.
     """
     fmt, act = config.cache_format, config.dtype
     cache, base, rows = _layer_rows(kv_cache, layer)
@@ -242,52 +247,69 @@ def prefill(params, x, positions, slot_mapping, kv_cache, *, config, block_table
         k = jnp.concatenate([jnp.concatenate([ctx_kv[..., :P].astype(F32), ctx_k_pe], -1), k])
         v = jnp.concatenate([ctx_kv[..., P:].astype(F32), v])
         mask = jnp.concatenate([jnp.broadcast_to(in_context, (T, ctx.shape[0])), mask], -1)
-    p = _softmax(jnp.einsum("thc,shc->hts", q, k) * SOFTMAX_SCALE, mask)
+    p = _softmax(jnp.einsum("thc,shc->hts", q, k) * config.attention_scale, mask)
     o = jnp.einsum("hts,shv->thv", p, v).astype(act)
     return _proj("thv,hvd->td", o, params["o_proj"]), cache.reshape(kv_cache.shape)
 
 
+def _layer_tables(block_tables, layer, num_blocks):
+    """Block ids of this layer in the stacked view [layers * N, bs, W]; ids outside [0, N) become
+    -1, which the attention masks out, rather than reaching into another layer."""
+    if layer is None:
+        return block_tables
+    valid = (block_tables >= 0) & (block_tables < num_blocks)
+    return jnp.where(valid, block_tables + layer * num_blocks, -1)
+
+
 def decode(params, x, positions, slot_mapping, block_tables, context_lens, kv_cache, *, config, layer=None, cos_sin_cache=None):
-    """One new token for each sequence of a batch: absorbed MLA over the paged cache.
+    """New tokens for each sequence of a batch: absorbed MLA over the paged cache.
 
     Args:
-      x: [B, hidden] activation dtype. positions: [B] int32.
-      slot_mapping: [B] int32 slot of each new token; -1 for a padding row of the batch.
-      block_tables: [B, max_blocks] int32. context_lens: [B] int32, the tokens each row attends
-        to, counting the one written in this step (0 for padding rows: their output is 0).
+      x: [B, hidden] activation dtype, one new token per sequence, or [B, S_q, hidden] for
+        S_q = 1..4 new tokens per sequence (speculative decoding). positions: [B] / [B, S_q] int32.
+      slot_mapping: [B] / [B, S_q] int32 slot of each new token; -1 for padding.
+      block_tables: [B, max_blocks] int32. context_lens: [B] int32, the tokens of each sequence,
+        counting the ones written in this step (0 for padding rows: their output is 0). New
+        token j of S_q attends to tokens 0 .. context_len - S_q + j.
       kv_cache, layer, cos_sin_cache: as in :func:`prefill`.
 
     Returns:
-      (out [B, hidden] activation dtype, kv_cache).
+      (out [B, (S_q,) hidden] activation dtype, kv_cache).
     """
-    fmt, act = config.cache_format, config.dtype
+    fmt = config.cache_format
     cache, base, rows = _layer_rows(kv_cache, layer)
-    q, kv_a, kv_c_normed = _projections(params, x, config)
+    one_token = x.ndim == 2
+    B, S = x.shape[0], 1 if one_token else x.shape[1]
+    q, kv_a, kv_c_normed = _projections(params, x.reshape(B * S, -1), config)
     w_uk, w_uv = params["kv_b_proj"][..., :P], params["kv_b_proj"][..., P:]
     ql_nope = _proj("bhp,lhp->bhl", q[..., :P], w_uk)
-    kw = _rope_kwargs(positions, cos_sin_cache)
+    kw = _rope_kwargs(positions.reshape(B * S), cos_sin_cache)
+    scales = {}
     if fmt == "fp8":
-        kw |= {"q_scale_inv": params["fp8_scale_inv"]["q"], "cache_scale_inv": params["fp8_scale_inv"]["cache"]}
+        scales = {"q_scale_inv": params["fp8_scale_inv"]["q"], "cache_scale_inv": params["fp8_scale_inv"]["cache"]}
     mqa_q, cache = ops.fused_mla_decode_q_concat_kv_cache_insert(
         ql_nope,
         columns(q, P),
         kv_c_normed,
         columns(kv_a, L),
         cache,
-        _cache_slots(slot_mapping, base, rows),
+        _cache_slots(slot_mapping.reshape(B * S), base, rows),
         ds_mla=fmt == "fp8_ds_mla",
         **kw,
+        **scales,
     )
-    mqa_q = mqa_q.astype(F32)
-    if fmt == "fp8":
-        mqa_q = mqa_q / params["fp8_scale_inv"]["q"]
-    slots = _table_slots(block_tables, cache.shape[1])
-    mask = jnp.arange(slots.shape[1]) < context_lens[:, None]
-    kv = _read_cache(cache, base + slots, mask, fmt, params)  # [B, S, 576]
-    p = _softmax(jnp.einsum("bhc,bsc->bhs", mqa_q, kv) * SOFTMAX_SCALE, mask[:, None, :])
-    latent = jnp.einsum("bhs,bsl->bhl", p, kv[..., :L]).astype(act)
-    o = _proj("bhl,lhv->bhv", latent, w_uv)
-    return _proj("bhv,hvd->bd", o, params["o_proj"]), cache.reshape(kv_cache.shape)
+    latent = ops.mla_decode_attention(
+        mqa_q if one_token else mqa_q.reshape(B, S, *mqa_q.shape[1:]),
+        cache,
+        _layer_tables(block_tables, layer, kv_cache.shape[-3]),
+        context_lens,
+        softmax_scale=config.attention_scale,
+        ds_mla=fmt == "fp8_ds_mla",
+        **scales,
+    ).reshape(B * S, -1, L)  # [B * S_q, H, 512]
+    o = _proj("thl,lhv->thv", latent.astype(config.dtype), w_uv)
+    out = _proj("thv,hvd->td", o, params["o_proj"])
+    return out.reshape(x.shape[:-1] + out.shape[-1:]), cache.reshape(kv_cache.shape)
 
 
 def scan_layers(step, params, x, kv_cache, *args, **kwargs):
@@ -335,7 +357,7 @@ def reference_attention(params, x, positions, *, config, cos_sin_cache=None):
     S, H = x.shape[0], q.shape[1]
     q = jnp.concatenate([q[..., :P], q_pe], -1)
     k = jnp.concatenate([kv[..., :P], jnp.broadcast_to(k_pe[:, None, :], (S, H, R))], -1)
-    scores = jnp.einsum("thc,shc->hts", q, k) * SOFTMAX_SCALE
+    scores = jnp.einsum("thc,shc->hts", q, k) * config.attention_scale
     attn = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((S, S), bool)), scores, -jnp.inf), axis=-1)
     o = jnp.einsum("hts,shv->thv", attn, kv[..., P:])
     return jnp.einsum("thv,hvd->td", o, p32["o_proj"])

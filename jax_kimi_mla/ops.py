@@ -248,17 +248,18 @@ def mla_decode_attention(
     no_scale = jnp.zeros((0,), jnp.float32)
     scales = [no_scale if s is None else jnp.reshape(s, (1,)) for s in (c.q_scale_inv, c.cache_scale_inv)]
     partials = (splits * B * S * H * (_checks.L + 1),) if splits > 1 else (0,)
+    # The FFI query is [B * S_q, H, 576]: the decode epilogue's mqa_q as it comes.
     out, lse, _ = _ffi.call(
         "mla_decode_attention",
-        [c.q, c.kv_cache, c.block_tables, c.context_lens, *scales],
+        [c.q.reshape(B * S, H, _checks.ENTRY), c.kv_cache, c.block_tables, c.context_lens, *scales],
         [
-            jax.ShapeDtypeStruct((B, S, H, _checks.L), c.out_dtype),
-            jax.ShapeDtypeStruct((B, S, H), jnp.float32),
+            jax.ShapeDtypeStruct((B * S, H, _checks.L), c.out_dtype),
+            jax.ShapeDtypeStruct((B * S, H), jnp.float32),
             jax.ShapeDtypeStruct(partials, jnp.float32),
         ],
         {},
-        {"softmax_scale": np.float32(c.softmax_scale), "num_splits": np.int64(splits)},
+        {"softmax_scale": np.float32(c.softmax_scale), "q_tokens": np.int64(S), "num_splits": np.int64(splits)},
     )
-    if c.squeeze:
-        out, lse = out[:, 0], lse[:, 0]
+    lead = (B,) if c.squeeze else (B, S)
+    out, lse = out.reshape(*lead, H, _checks.L), lse.reshape(*lead, H)
     return (out, lse) if return_lse else out

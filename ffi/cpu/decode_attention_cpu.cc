@@ -76,10 +76,12 @@ void attend_row(const DecodeAttention& a, int64_t b, int64_t j, int64_t h,
 ffi::Error handler(ffi::AnyBuffer q, ffi::AnyBuffer cache, ffi::AnyBuffer tables,
                    ffi::AnyBuffer lens, ffi::AnyBuffer q_scale_inv, ffi::AnyBuffer cache_scale_inv,
                    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                   ffi::Result<ffi::AnyBuffer> partials, float softmax_scale, int64_t num_splits) {
+                   ffi::Result<ffi::AnyBuffer> partials, float softmax_scale, int64_t q_tokens,
+                   int64_t num_splits) {
   DecodeAttention a;
   if (ffi::Error err = make_decode_attention(q, cache, tables, lens, q_scale_inv, cache_scale_inv,
-                                             *out, *lse, *partials, softmax_scale, num_splits, a);
+                                             *out, *lse, *partials, softmax_scale, q_tokens,
+                                             num_splits, a);
       err.failure())
     return err;
   std::vector<float> scores;

@@ -22,7 +22,7 @@ struct DecodeAttention {
   CacheFormat cache_format = CacheFormat::kAct;
   ActType act = ActType::kBF16;  // the output dtype (bf16 when q is fp8)
   int64_t batch = 0, q_tokens = 0, heads = 0;  // B, S_q, H
-  const void* q = nullptr;  // [B, S_q, H, 576]
+  const void* q = nullptr;  // [B * S_q, H, 576]: query j of sequence b is row b * S_q + j
   // Token row r of the cache starts at cache + r * row_bytes (rows may be wider than the entry).
   const uint8_t* cache = nullptr;
   int64_t row_bytes = 0;
@@ -37,8 +37,8 @@ struct DecodeAttention {
   // otherwise. Values are read on the device.
   const float* q_scale_inv = nullptr;
   const float* cache_scale_inv = nullptr;
-  void* out = nullptr;    // [B, S_q, H, 512] act
-  float* lse = nullptr;   // [B, S_q, H] float32, natural log
+  void* out = nullptr;    // [B * S_q, H, 512] act
+  float* lse = nullptr;   // [B * S_q, H] float32, natural log
   // Split-KV partials (num_splits > 1 only): [num_splits, B, S_q * H, kAttnRowStats] float32.
   float* partials = nullptr;
   int num_splits = 1;
@@ -126,10 +126,12 @@ JKM_HD float entry_value(const DecodeAttention& a, const uint8_t* entry, int i) 
 
 // ---- FFI operands -> DecodeAttention (host) ----
 //
-// Operands: q act|f8 [B, S_q, H, 576]; kv_cache act|f8|u8 [N, bs, W]; block_tables idx [B,
+// Operands: q act|f8 [B * S_q, H, 576]; kv_cache act|f8|u8 [N, bs, W]; block_tables idx [B,
 // max_blocks]; context_lens idx [B]; q_scale_inv f32 [1] or [0]; cache_scale_inv f32 [1] or [0].
-// Results: out act [B, S_q, H, 512]; lse f32 [B, S_q, H]; partials f32 [num_splits * B * S_q * H
-// * 513] (empty when num_splits == 1). Attributes: softmax_scale (f32), num_splits (i64 >= 1).
+// Results: out act [B * S_q, H, 512]; lse f32 [B * S_q, H]; partials f32 [num_splits * B * S_q *
+// H * 513] (empty when num_splits == 1). Attributes: softmax_scale (f32), q_tokens (i64 S_q,
+// 1..4), num_splits (i64 >= 1). The query is 3-D so that the decode epilogue's mqa_q [B, H, 576]
+// (B * S_q rows) feeds it with no reshape, which XLA may turn into a copy.
 // The Python wrapper checks all of this first and explains; these checks keep a malformed direct
 // call from touching foreign memory.
 namespace ffi = xla::ffi;
@@ -139,16 +141,18 @@ inline ffi::Error make_decode_attention(ffi::AnyBuffer q, ffi::AnyBuffer cache,
                                         ffi::AnyBuffer q_scale_inv, ffi::AnyBuffer cache_scale_inv,
                                         ffi::AnyBuffer out, ffi::AnyBuffer lse,
                                         ffi::AnyBuffer partials, float softmax_scale,
-                                        int64_t num_splits, DecodeAttention& a) {
+                                        int64_t q_tokens, int64_t num_splits,
+                                        DecodeAttention& a) {
   const auto fail = [](const char* what) {
     return ffi::Error::InvalidArgument(std::string("jax_kimi_mla mla_decode_attention: ") + what);
   };
   using T = ffi::DataType;
   const auto is_index = [](T t) { return t == T::S32 || t == T::S64; };
   const auto qd = q.dimensions(), cd = cache.dimensions(), td = tables.dimensions();
-  if (qd.size() != 4 || qd[3] != kEntry) return fail("q must be [B, S_q, H, 576]");
-  a.batch = qd[0], a.q_tokens = qd[1], a.heads = qd[2];
-  if (a.q_tokens < 1 || a.q_tokens > kMaxQueryTokens) return fail("S_q must be 1..4");
+  if (q_tokens < 1 || q_tokens > kMaxQueryTokens) return fail("q_tokens (S_q) must be 1..4");
+  if (qd.size() != 3 || qd[2] != kEntry || qd[0] % q_tokens != 0)
+    return fail("q must be [B * S_q, H, 576]");
+  a.batch = qd[0] / q_tokens, a.q_tokens = q_tokens, a.heads = qd[1];
   switch (q.element_type()) {
     case T::BF16: a.q_type = QType::kBF16, a.act = ActType::kBF16; break;
     case T::F16: a.q_type = QType::kF16, a.act = ActType::kF16; break;
@@ -184,12 +188,11 @@ inline ffi::Error make_decode_attention(ffi::AnyBuffer q, ffi::AnyBuffer cache,
     return fail("context_lens must be int32/int64 [B]");
   const T out_type = a.act == ActType::kBF16 ? T::BF16 : T::F16;
   const auto od = out.dimensions(), ld = lse.dimensions();
-  if (out.element_type() != out_type || od.size() != 4 || od[0] != a.batch ||
-      od[1] != a.q_tokens || od[2] != a.heads || od[3] != kLatent)
-    return fail("out must be [B, S_q, H, 512] in the output dtype");
-  if (lse.element_type() != T::F32 || ld.size() != 3 || ld[0] != a.batch ||
-      ld[1] != a.q_tokens || ld[2] != a.heads)
-    return fail("lse must be float32 [B, S_q, H]");
+  if (out.element_type() != out_type || od.size() != 3 || od[0] != qd[0] || od[1] != a.heads ||
+      od[2] != kLatent)
+    return fail("out must be [B * S_q, H, 512] in the output dtype");
+  if (lse.element_type() != T::F32 || ld.size() != 2 || ld[0] != qd[0] || ld[1] != a.heads)
+    return fail("lse must be float32 [B * S_q, H]");
   if (num_splits < 1 || num_splits > 1024) return fail("num_splits must be 1..1024");
   const size_t want = num_splits == 1 ? 0 : size_t(num_splits * a.batch * a.rows() * kAttnRowStats);
   if (partials.element_type() != T::F32 || partials.element_count() != want)
@@ -223,6 +226,7 @@ inline ffi::Error make_decode_attention(ffi::AnyBuffer q, ffi::AnyBuffer cache,
       .Ret<xla::ffi::AnyBuffer>()                                                               \
       .Ret<xla::ffi::AnyBuffer>()                                                               \
       .Attr<float>("softmax_scale")                                                             \
+      .Attr<int64_t>("q_tokens")                                                                \
       .Attr<int64_t>("num_splits")
 
 }  // namespace jax_kimi_mla
