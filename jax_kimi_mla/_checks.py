@@ -255,7 +255,7 @@ def decode(ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, ds_mla, q_s
         raise ValueError(f"the plain fp8 cache needs both q_scale_inv and cache_scale_inv: {given} was given without {missing}")
     fp8 = q_scale_inv is not None
     cache = as_array("kv_cache", kv_cache)
-    if ds_mla:
+    if static_bool("ds_mla", ds_mla):
         if fp8:
             raise ValueError("ds_mla=True stores its own per-tile scales: q_scale_inv and cache_scale_inv must be None, but both were given")
         args["kv_cache"] = c.cache(cache, UINT8, DS_MLA_ENTRY_BYTES, "the fp8_ds_mla cache of ds_mla=True")

@@ -201,7 +201,8 @@ def make_case(case: Case, rng=None) -> dict:
 def invoke(impl, fmt: str, a: dict):
     """Calls format ``fmt`` of ``impl`` (jax_kimi_mla or jax_kimi_mla.reference) on named inputs.
 
-    Optional inputs (RoPE, decode scales) are passed exactly when their key is present.
+    Optional inputs (RoPE, decode scales) are passed exactly when their key is present; a
+    ``ds_mla`` key overrides the decode format's own flag.
     """
     rope = {k: a[k] for k in ("positions", "cos_sin_cache") if k in a}
     common = (a["kv_cache"], a["slot_mapping"])
@@ -216,7 +217,7 @@ def invoke(impl, fmt: str, a: dict):
     scales = {k: a[k] for k in ("q_scale_inv", "cache_scale_inv") if k in a}
     return impl.fused_mla_decode_q_concat_kv_cache_insert(
         a["ql_nope"], a["q_pe"], a["kv_c_normed"], a["k_pe"], *common,
-        ds_mla=fmt == "decode_ds_mla", **scales, **rope,
+        ds_mla=a.get("ds_mla", fmt == "decode_ds_mla"), **scales, **rope,
     )
 
 

@@ -93,6 +93,17 @@ def base(fmt: str) -> dict:
     return a
 
 
+def attention_base() -> dict:
+    """The valid mla_decode_attention call that the attention(...) rows change."""
+    return dict(
+        mqa_q=np.zeros((2, 3, 576), DTYPES["bfloat16"]),
+        kv_cache=np.zeros((4, 2, 576), DTYPES["bfloat16"]),
+        block_tables=np.zeros((2, 2), np.int32),
+        context_lens=np.zeros(2, np.int32),
+        softmax_scale=0.1,
+    )
+
+
 def staged_check_inputs(**kwargs):
     """check_inputs under jax.jit(checkify.checkify(...)): arrays traced, the rest static."""
     arrays = {k: v for k, v in kwargs.items() if isinstance(v, np.ndarray)}
@@ -110,6 +121,9 @@ def callables(call: str) -> list:
         assert ast.unparse(node.func) == "checkify(check_inputs)", call
         return [("checkify", lambda: staged_check_inputs(**kwargs))]
     name = node.func.id
+    if name == "attention":
+        a = dict(attention_base(), **kwargs)
+        return [(impl.__name__, lambda impl=impl: impl.mla_decode_attention(**a)) for impl in (jax_kimi_mla, reference)]
     if name in FORMATS:
         a = dict(base(name), **kwargs)
         return [(impl.__name__, functools.partial(invoke, impl, name, a)) for impl in (jax_kimi_mla, reference)]

@@ -1,5 +1,6 @@
-"""jax.export of a jitted prefill + decode step: the artifact names the versioned FFI targets,
-survives serialize/deserialize, and called on CPU gives what the direct call gives."""
+"""jax.export of a jitted prefill + decode step (epilogues, then the decode attention over the
+cache they wrote): the artifact names the versioned FFI targets, survives serialize/deserialize,
+and called on CPU gives what the direct call gives."""
 
 import pathlib
 import re
@@ -14,15 +15,16 @@ from jax_kimi_mla import _ffi
 
 T, B, H, N, BS = 6, 3, 4, 4, 8
 TARGETS = {
-    "kv": ("prefill_kv_cache", "decode_kv_cache"),
-    "ds_mla": ("prefill_ds_mla", "decode_ds_mla"),
-    "fp8": ("prefill_fp8", "decode_fp8"),
+    "kv": ("prefill_kv_cache", "decode_kv_cache", "mla_decode_attention"),
+    "ds_mla": ("prefill_ds_mla", "decode_ds_mla", "mla_decode_attention"),
+    "fp8": ("prefill_fp8", "decode_fp8", "mla_decode_attention"),
 }
 ABI_DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "ABI.md"
 
 
 def step(fmt, prefill, decode, cos_sin_cache):
-    """One serving step on one cache: insert a prefill chunk (RoPE on), then a decode batch."""
+    """One serving step on one cache: insert a prefill chunk (RoPE on), then a decode batch, which
+    attends over the cache (two splits, fixed, so that export and direct call run one kernel)."""
     rope = dict(positions=prefill["positions"], cos_sin_cache=cos_sin_cache)
     cache = prefill["kv_cache"]
     args = (prefill["q"], prefill["k_nope"], prefill["k_pe"], prefill["kv_c_normed"])
@@ -40,7 +42,11 @@ def step(fmt, prefill, decode, cos_sin_cache):
         decode["ql_nope"], decode["q_pe"], decode["kv_c_normed"], decode["k_pe"], cache, decode["slot_mapping"],
         positions=decode["positions"], cos_sin_cache=cos_sin_cache, **decode_format,
     )
-    return (*prefill_out, mqa_q, cache)
+    out, lse = jkm.mla_decode_attention(
+        mqa_q, cache, decode["block_tables"], decode["context_lens"], softmax_scale=0.125, return_lse=True,
+        num_splits=2, **decode_format,
+    )
+    return (*prefill_out, mqa_q, out, lse, cache)
 
 
 def make_inputs(fmt, seed):
@@ -62,6 +68,8 @@ def make_inputs(fmt, seed):
     decode = dict(
         ql_nope=normal(B, H, 512), q_pe=normal(B, H, 64), kv_c_normed=normal(B, 512), k_pe=normal(B, 1, 64),
         slot_mapping=slots[T:], positions=jnp.asarray(rng.integers(32, 64, B), jnp.int32),
+        block_tables=jnp.asarray(rng.integers(0, N, (B, 2)), jnp.int32),
+        context_lens=jnp.asarray(rng.integers(0, 2 * BS + 1, B), jnp.int32),
     )
     if fmt == "fp8":
         prefill.update(v=normal(T, H, 128), **{f"{n}_scale_inv": jnp.float32(rng.uniform(4, 16)) for n in "qkv"})
