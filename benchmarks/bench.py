@@ -42,7 +42,7 @@ QUICK_HEADS = (12,)
 QUICK_SIZES = {"decode": (1, 16, 64), "prefill": (128, 512)}
 COPY_BYTES, QUICK_COPY_BYTES = 2 << 30, 256 << 20
 CACHE_BYTES, QUICK_CACHE_BYTES = (64 << 20, 16 << 30), (64 << 20, 1 << 30)
-CACHE_CASE = ("decode_kv_nope", 64, 12)  # variant, B, H of the cache-size check
+CACHE_CASE = ("decode_bf16_nope", 64, 12)  # variant, B, H of the cache-size check
 PROFILED_SECONDS = 0.03  # wall time the profiled calls of one measurement should take
 MIN_CALLS, MAX_CALLS = 10, 400
 WALL_SECONDS, MIN_WALL_CALLS, MAX_WALL_CALLS = 0.02, 5, 200
@@ -133,7 +133,7 @@ def _num(x, digits=1) -> str:
     return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
-DISPATCH_CASES = (("decode_kv_nope", 1, 12), ("decode_ds_mla_rope", 1, 12))
+DISPATCH_CASES = (("decode_bf16_nope", 1, 12), ("decode_fp8_ds_mla_rope", 1, 12))
 DISPATCH_CALLS, DISPATCH_REPEATS = 200, 5
 
 
@@ -176,7 +176,7 @@ def target_lines(rows: list[dict], cache_rows: list[dict], dispatch_rows: list[d
     ok = [r for r in rows if not r["error"]]
     large = [r for r in ok if (r["phase"] == "decode" and r["tokens"] >= 1024 and r["heads"] == 96)
              or (r["phase"] == "prefill" and r["tokens"] >= 8192)]
-    bf16_nope = [r for r in large if r["cache_format"] == "kv" and not r["rope"]]
+    bf16_nope = [r for r in large if r["cache_format"] == "bf16" and not r["rope"]]
     serving = [r for r in ok if r["phase"] == "decode" and r["tokens"] <= 64 and r["heads"] == 12]
 
     def verdict(good: bool) -> str:
@@ -315,7 +315,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a handful of small sizes (CPU smoke run)")
     parser.add_argument("--out", type=Path, help="output directory (default: benchmarks/results/<platform>[-quick])")
-    parser.add_argument("--only", help="comma-separated substrings of variant names to run, e.g. decode_kv,fp8_rope")
+    parser.add_argument("--only", help="comma-separated substrings of variant names to run, e.g. decode_bf16,fp8_rope")
     parser.add_argument("--time-limit-s", type=float, default=420.0,
                         help="stop starting new sweep points after this many seconds; the rest is listed as not measured")
     opts = parser.parse_args(argv)

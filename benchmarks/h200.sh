@@ -50,8 +50,8 @@ for s in $stages; do
       for stall in long_scoreboard barrier not_selected wait math_pipe_throttle short_scoreboard; do
         metrics=$metrics,smsp__average_warps_issue_stalled_${stall}_per_issue_active.ratio
       done
-      for case in "prefill_fp8_rope 8192 96" "prefill_ds_mla_rope 8192 96" "prefill_kv_rope 8192 96" \
-                  "decode_fp8_rope 4096 96" "prefill_kv_nope 8192 96" "prefill_kv_nope 8192 12" "decode_kv_nope 1 12"; do
+      for case in "prefill_fp8_rope 8192 96" "prefill_fp8_ds_mla_rope 8192 96" "prefill_bf16_rope 8192 96" \
+                  "decode_fp8_rope 4096 96" "prefill_bf16_nope 8192 96" "prefill_bf16_nope 8192 12" "decode_bf16_nope 1 12"; do
         stage "ncu-${case// /-}" ncu --clock-control none --kernel-name regex:epilogue_kernel --launch-skip 2 \
           --launch-count 1 --metrics "$metrics" python3 -P benchmarks/run_once.py $case
       done ;;

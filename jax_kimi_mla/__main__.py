@@ -127,10 +127,10 @@ def main(argv=None) -> int:
     shapes = QUICK_SHAPES if opts.quick else SHAPES
     dtype = jnp.dtype(opts.dtype)
     print(f"jax {jax.__version__} on {device.device_kind} ({device.platform}), activations {dtype}")
-    print("prefill kv / ds_mla / fp8: fused_mla_key_concat_kv_cache_insert / fused_mla_key_concat_ds_mla_insert"
+    print("prefill bf16 / fp8_ds_mla / fp8: fused_mla_key_concat_kv_cache_insert / fused_mla_key_concat_ds_mla_insert"
           " / fused_mla_qkv_quant_kv_cache_fp8_insert; decode: fused_mla_decode_q_concat_kv_cache_insert")
     print("times: wall clock per call in us, jit with the cache (and q in RoPE prefill) donated, median after warm-up\n")
-    header = f"{'op':8} {'cache':7} {'rope':4} {'shape':13} {'max err':>10} {'result':6} {'ffi us':>10} {'ref us':>10} {'speedup':>7}"
+    header = f"{'op':8} {'cache':10} {'rope':4} {'shape':13} {'max err':>10} {'result':6} {'ffi us':>10} {'ref us':>10} {'speedup':>7}"
     print(header)
     print("-" * len(header))
 
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
         for variant in VARIANTS.values():
             for tokens, heads in shapes[variant.phase]:
                 shape = f"{'B' if variant.phase == 'decode' else 'T'}={tokens} H={heads}"
-                row = f"{variant.phase:8} {variant.cache_format:7} {'on' if variant.rope else 'off':4} {shape:13}"
+                row = f"{variant.phase:8} {variant.cache_format:10} {'on' if variant.rope else 'off':4} {shape:13}"
                 if on_cpu and variant.phase == "prefill" and tokens * heads > CPU_MAX_PREFILL_TOKEN_HEADS:
                     skipped.append(f"{variant.name} {shape}")
                     continue

@@ -13,9 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-L, P, R, V = 512, 128, 64, 128  # kv_lora_rank, qk_nope, qk_rope, v_head
-ENTRY = L + R  # 576
-DS_MLA_ENTRY_BYTES = 656
+from .formats import CACHE_FORMATS, DS_MLA_ENTRY_BYTES, ENTRY, L, P, R, V, CacheFormat  # noqa: F401 (re-exported)
 
 ACT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 INDEX_DTYPES = (jnp.dtype(jnp.int32), jnp.dtype(jnp.int64))
@@ -69,6 +67,16 @@ def as_array(name: str, x):
         return jnp.asarray(x)
     except TypeError as e:
         raise TypeError(f"{name} must be an array, got {type(x).__name__}") from e
+
+
+def cache(x, fmt: CacheFormat, act, why: str = ""):
+    """Checks kv_cache against its format; ``why`` says how the call chose that format."""
+    x = as_array("kv_cache", x)
+    want = fmt.cache_dtype(act)
+    if jnp.dtype(x.dtype) != want:
+        raise TypeError(f"kv_cache must have dtype {want} for {fmt.what}{why}, got {x.dtype}")
+    expect_shape("kv_cache", x, (None, None, fmt.width), f"[num_blocks, block_size, {fmt.width}] ({fmt.what}{why})")
+    return x
 
 
 def _names(dtypes) -> str:
@@ -158,12 +166,8 @@ class _Checker:
         expect_shape(name, x, (self.tokens,), f"[T] = [{self.tokens}]")
         return x
 
-    def cache(self, x, dtype, width: int, fmt: str):
-        x = as_array("kv_cache", x)
-        if jnp.dtype(x.dtype) != jnp.dtype(dtype):
-            raise TypeError(f"kv_cache must have dtype {jnp.dtype(dtype)} for {fmt}, got {x.dtype}")
-        expect_shape("kv_cache", x, (None, None, width), f"[num_blocks, block_size, {width}] ({fmt})")
-        return x
+    def cache(self, x, fmt: CacheFormat, why: str = ""):
+        return cache(x, fmt, self.act, why)
 
     def rope(self, positions, cos_sin_cache):
         if (positions is None) != (cos_sin_cache is None):
@@ -219,7 +223,7 @@ def fp8_prefill_scales(q_scale_inv, k_scale_inv, v_scale_inv, cache_scale_inv) -
 
 
 def prefill(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, *, cache_format, v=None):
-    """Checks a prefill call; ``cache_format`` is "kv", "ds_mla" or "fp8"."""
+    """Checks a prefill call; ``cache_format`` is a name of ``formats.CACHE_FORMATS``."""
     c = _Checker("q", q, P + R)
     args = dict(
         q=as_array("q", q),
@@ -229,19 +233,14 @@ def prefill(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos
     )
     if cache_format == "fp8":
         args["v"] = c.per_head("v", v, V)
-    if cache_format == "kv":
-        args["kv_cache"] = c.cache(kv_cache, c.act, ENTRY, "a bf16/fp16 cache in the activation dtype")
-    elif cache_format == "ds_mla":
-        args["kv_cache"] = c.cache(kv_cache, UINT8, DS_MLA_ENTRY_BYTES, "the fp8_ds_mla cache")
-    else:
-        args["kv_cache"] = c.cache(kv_cache, FP8, ENTRY, "the plain fp8 cache")
+    args["kv_cache"] = c.cache(kv_cache, CACHE_FORMATS[cache_format])
     args["slot_mapping"] = c.index("slot_mapping", slot_mapping)
     args["positions"], args["cos_sin_cache"] = c.rope(positions, cos_sin_cache)
     return c.done(positions is not None), args
 
 
 def decode(ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, ds_mla, q_scale_inv, cache_scale_inv, positions, cos_sin_cache):
-    """Checks a decode call and picks its cache format: "kv", "fp8" or "ds_mla"."""
+    """Checks a decode call and picks its cache format (a name of ``formats.CACHE_FORMATS``)."""
     c = _Checker("ql_nope", ql_nope, L)
     args = dict(
         ql_nope=as_array("ql_nope", ql_nope),
@@ -258,10 +257,10 @@ def decode(ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, ds_mla, q_s
     if static_bool("ds_mla", ds_mla):
         if fp8:
             raise ValueError("ds_mla=True stores its own per-tile scales: q_scale_inv and cache_scale_inv must be None, but both were given")
-        args["kv_cache"] = c.cache(cache, UINT8, DS_MLA_ENTRY_BYTES, "the fp8_ds_mla cache of ds_mla=True")
-        fmt = "ds_mla"
+        fmt = "fp8_ds_mla"
+        args["kv_cache"] = c.cache(cache, CACHE_FORMATS[fmt], " of ds_mla=True")
     elif fp8:
-        args["kv_cache"] = c.cache(cache, FP8, ENTRY, "the plain fp8 cache, as q_scale_inv and cache_scale_inv were given")
+        args["kv_cache"] = c.cache(cache, CACHE_FORMATS["fp8"], ", as q_scale_inv and cache_scale_inv were given")
         args["q_scale_inv"] = scale("q_scale_inv", q_scale_inv)
         args["cache_scale_inv"] = scale("cache_scale_inv", cache_scale_inv)
         fmt = "fp8"
@@ -270,8 +269,8 @@ def decode(ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, ds_mla, q_s
             raise TypeError("kv_cache is uint8 (an fp8_ds_mla cache?) but ds_mla=False; pass ds_mla=True")
         if jnp.dtype(cache.dtype) == FP8:
             raise TypeError("kv_cache is float8_e4m3fn (the plain fp8 cache), which needs q_scale_inv and cache_scale_inv; neither was given")
-        args["kv_cache"] = c.cache(cache, c.act, ENTRY, "a bf16/fp16 cache in the activation dtype")
-        fmt = "kv"
+        args["kv_cache"] = c.cache(cache, CACHE_FORMATS["bf16"])
+        fmt = "bf16"
     args["slot_mapping"] = c.index("slot_mapping", slot_mapping)
     args["positions"], args["cos_sin_cache"] = c.rope(positions, cos_sin_cache)
     return c.done(positions is not None), fmt, args
@@ -322,7 +321,7 @@ def decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale,
     ds_mla = static_bool("ds_mla", ds_mla)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or not 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits must be None (chosen from the sizes) or an int in [1, {MAX_SPLITS}], got {num_splits!r}")
-    cache = as_array("kv_cache", kv_cache)
+    kv_cache = as_array("kv_cache", kv_cache)
     q_fp8 = jnp.dtype(q.dtype) == FP8
     if ds_mla:
         for name, s in (("q_scale_inv", q_scale_inv), ("cache_scale_inv", cache_scale_inv)):
@@ -330,21 +329,18 @@ def decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale,
                 raise ValueError(f"ds_mla=True stores its own per-tile scales: {name} must be None")
         if q_fp8:
             raise TypeError("mqa_q is float8_e4m3fn, which only the plain fp8 cache takes; with ds_mla=True pass a bfloat16 or float16 mqa_q")
-        fmt, want_dtype, width = "fp8_ds_mla", UINT8, DS_MLA_ENTRY_BYTES
+        fmt, why = "fp8_ds_mla", " of ds_mla=True"
     elif cache_scale_inv is not None:
-        fmt, want_dtype, width = "fp8", FP8, ENTRY
+        fmt, why = "fp8", ", as cache_scale_inv was given"
     else:
         if q_scale_inv is not None or q_fp8:
             raise ValueError("an fp8 mqa_q (with q_scale_inv) reads only the plain fp8 cache, which needs cache_scale_inv")
-        if jnp.dtype(cache.dtype) == UINT8:
+        if jnp.dtype(kv_cache.dtype) == UINT8:
             raise TypeError("kv_cache is uint8 (an fp8_ds_mla cache?) but ds_mla=False; pass ds_mla=True")
-        if jnp.dtype(cache.dtype) == FP8:
+        if jnp.dtype(kv_cache.dtype) == FP8:
             raise TypeError("kv_cache is float8_e4m3fn (the plain fp8 cache), which needs cache_scale_inv; it was not given")
-        fmt, want_dtype, width = "bf16", jnp.dtype(q.dtype), ENTRY
-    if jnp.dtype(cache.dtype) != want_dtype:
-        what = {"bf16": "the dtype of mqa_q (a bf16/fp16 cache)", "fp8": "float8_e4m3fn (the plain fp8 cache, as cache_scale_inv was given)", "fp8_ds_mla": "uint8 (the fp8_ds_mla cache of ds_mla=True)"}[fmt]
-        raise TypeError(f"kv_cache must have dtype {want_dtype}, {what}, got {cache.dtype}")
-    expect_shape("kv_cache", cache, (None, None, width), f"[num_blocks, block_size, {width}] ({fmt})")
+        fmt, why = "bf16", " of mqa_q"
+    cache(kv_cache, CACHE_FORMATS[fmt], q.dtype, why)
     if q_fp8 != (q_scale_inv is not None):
         raise ValueError("q_scale_inv goes with an fp8 (float8_e4m3fn) mqa_q: " + ("it is missing" if q_fp8 else f"mqa_q is {q.dtype}"))
     tables = as_array("block_tables", block_tables)
@@ -358,7 +354,7 @@ def decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale,
     expect_shape("context_lens", lens, (B,), f"[B] = [{B}]")
     return AttentionCall(
         q=q,
-        kv_cache=cache,
+        kv_cache=kv_cache,
         block_tables=_int64_host_indices_as_int32("block_tables", tables),
         context_lens=_int64_host_indices_as_int32("context_lens", lens),
         q_scale_inv=None if q_scale_inv is None else scale("q_scale_inv", q_scale_inv),

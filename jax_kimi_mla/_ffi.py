@@ -13,12 +13,9 @@ from __future__ import annotations
 import jax
 
 from . import _cpu
+from .formats import FFI_TARGETS as OPS
 
 ABI_VERSION = 1
-OPS = (
-    "prefill_kv_cache", "prefill_ds_mla", "prefill_fp8", "decode_kv_cache", "decode_fp8", "decode_ds_mla",
-    "mla_decode_attention",
-)
 
 
 def target_name(op: str) -> str:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import ops, reference
-from ._checks import DS_MLA_ENTRY_BYTES, ENTRY, FP8, L, P, R, V
+from .formats import EPILOGUES, ENTRY, L, P, R, V, Epilogue
 from .numerics import E4M3_MAX, make_cos_sin_cache
 
 MAX_POSITION = 32768
@@ -41,20 +41,33 @@ def padding_count(tokens: int) -> int:
 
 @dataclass(frozen=True)
 class Variant:
-    name: str
-    phase: str  # "prefill" or "decode"
-    cache_format: str  # "kv" (activation dtype), "fp8" (plain float8_e4m3fn) or "ds_mla" (uint8)
+    epilogue: Epilogue
     rope: bool
-    op: Callable
-    reference: Callable
 
     @property
-    def _fp8_prefill(self) -> bool:
-        return self.phase == "prefill" and self.cache_format == "fp8"
+    def name(self) -> str:
+        return f"{self.epilogue.name}_{'rope' if self.rope else 'nope'}"
 
     @property
-    def cache_index(self) -> int:
-        return 5 if self._fp8_prefill else 4
+    def phase(self) -> str:  # "prefill" or "decode"
+        return self.epilogue.phase
+
+    @property
+    def cache_format(self) -> str:  # a name of formats.CACHE_FORMATS
+        return self.epilogue.cache_format.name
+
+    @property
+    def op(self) -> Callable:
+        return getattr(ops, self.epilogue.op)
+
+    @property
+    def reference(self) -> Callable:
+        return getattr(reference, self.epilogue.op)
+
+    @property
+    def _reordered(self) -> bool:
+        """The bf16/ds_mla prefill steps return (q, k, kv_cache) or (k, kv_cache): see step()."""
+        return self.epilogue.outputs == ("k", "q", "kv_cache")
 
     @property
     def donated(self) -> dict[int, int]:
@@ -63,30 +76,34 @@ class Variant:
         The cache always; with RoPE the bf16/fp16 prefill ops also update q in place, as they do
         inside a model's jit where q is an intermediate (undonated, XLA would copy q first).
         """
-        if self.phase == "decode":
-            return {4: 1}  # (mqa_q, kv_cache)
-        if self._fp8_prefill:
-            return {5: 3}  # (q_fp8, k_fp8, v_fp8, kv_cache)
-        return {0: 0, 4: 2} if self.rope else {4: 1}  # see step(): (q, k, kv_cache) / (k, kv_cache)
+        cache = self.epilogue.cache_input
+        if self._reordered:
+            return {0: 0, cache: 2} if self.rope else {cache: 1}
+        return {cache: self.epilogue.cache_output}
+
+    @property
+    def _keyword_scales(self) -> tuple[str, ...]:
+        return self.epilogue.scales if self.phase == "decode" else ()
 
     @property
     def keywords(self) -> tuple[str, ...]:
         """Keyword-only array arguments, passed after the positional ones in this order."""
-        scales = ("q_scale_inv", "cache_scale_inv") if self.phase == "decode" and self.cache_format == "fp8" else ()
-        return scales + (("positions", "cos_sin_cache") if self.rope else ())
+        return self._keyword_scales + (("positions", "cos_sin_cache") if self.rope else ())
 
     @property
     def output_scale_args(self) -> tuple[int | None, ...]:
-        """Per output: index of the float32 ``*_scale_inv`` argument it was quantized with, or None."""
-        if self._fp8_prefill:
-            return (7, 8, 9, 10)
-        if self.phase == "decode":
-            return (6, 7) if self.cache_format == "fp8" else (None, None)
-        return (None, None, None) if self.rope else (None, None)
+        """Per output: index of the float32 ``*_scale_inv`` argument it was quantized with, or None.
+
+        Output i of an fp8 target was quantized with its scale i (the tables list them so)."""
+        outputs = self.epilogue.outputs if not self._reordered or self.rope else ("k", "kv_cache")
+        if not self.epilogue.scales:
+            return (None,) * len(outputs)
+        first = len(self.epilogue.inputs)
+        return tuple(first + i for i in range(len(outputs)))
 
     def positional(self, fn: Callable) -> Callable:
         """``fn`` (the op or its reference) as a function of the flat argument list."""
-        static = {"ds_mla": True} if self.phase == "decode" and self.cache_format == "ds_mla" else {}
+        static = self.epilogue.static_kwargs
         keywords = self.keywords
 
         def call(*arrays):
@@ -105,7 +122,7 @@ class Variant:
         out (returning an undonated input from a jit makes XLA copy it).
         """
         call = self.positional(fn)
-        if self.phase == "prefill" and not self._fp8_prefill:
+        if self._reordered:
             inner = call
 
             def call(*arrays):
@@ -116,10 +133,10 @@ class Variant:
         return jax.jit(call, donate_argnums=tuple(self.donated))
 
     def cache_dtype(self, dtype) -> jnp.dtype:
-        return jnp.dtype({"kv": dtype, "fp8": FP8, "ds_mla": jnp.uint8}[self.cache_format])
+        return self.epilogue.cache_format.cache_dtype(dtype)
 
     def cache_row_bytes(self, dtype=jnp.bfloat16) -> int:
-        return DS_MLA_ENTRY_BYTES if self.cache_format == "ds_mla" else ENTRY * self.cache_dtype(dtype).itemsize
+        return self.epilogue.cache_format.entry_bytes(dtype)
 
     def num_blocks_for(self, cache_bytes: int, dtype=jnp.bfloat16, block_size: int = BLOCK_SIZE) -> int:
         """The number of blocks of a cache of about ``cache_bytes`` bytes."""
@@ -143,8 +160,7 @@ class Variant:
         rng = np.random.default_rng(seed)
         slots = rng.choice(rows, size=tokens, replace=False).astype(np.int32)
         slots[rng.choice(tokens, size=padding_count(tokens), replace=False)] = -1
-        width = DS_MLA_ENTRY_BYTES if self.cache_format == "ds_mla" else ENTRY
-        cache = _sentinel_cache((num_blocks, block_size, width), self.cache_dtype(dtype))
+        cache = _sentinel_cache((num_blocks, block_size, self.epilogue.cache_format.width), self.cache_dtype(dtype))
         T, H = tokens, heads
         if self.phase == "decode":
             shapes = dict(ql_nope=(T, H, L), q_pe=(T, H, R), kv_c_normed=(T, L), k_pe=(T, 1, R))
@@ -228,20 +244,6 @@ def _sentinel_cache(shape, dtype) -> jax.Array:
     return jnp.full(shape, bits.view(dtype), dtype)
 
 
-def _variants() -> dict[str, Variant]:
-    table = {}
-    for phase, fmt, op, ref in (
-        ("prefill", "kv", ops.fused_mla_key_concat_kv_cache_insert, reference.fused_mla_key_concat_kv_cache_insert),
-        ("prefill", "ds_mla", ops.fused_mla_key_concat_ds_mla_insert, reference.fused_mla_key_concat_ds_mla_insert),
-        ("prefill", "fp8", ops.fused_mla_qkv_quant_kv_cache_fp8_insert, reference.fused_mla_qkv_quant_kv_cache_fp8_insert),
-        ("decode", "kv", ops.fused_mla_decode_q_concat_kv_cache_insert, reference.fused_mla_decode_q_concat_kv_cache_insert),
-        ("decode", "fp8", ops.fused_mla_decode_q_concat_kv_cache_insert, reference.fused_mla_decode_q_concat_kv_cache_insert),
-        ("decode", "ds_mla", ops.fused_mla_decode_q_concat_kv_cache_insert, reference.fused_mla_decode_q_concat_kv_cache_insert),
-    ):
-        for rope in (False, True):
-            name = f"{phase}_{fmt}_{'rope' if rope else 'nope'}"
-            table[name] = Variant(name, phase, fmt, rope, op, ref)
-    return table
-
-
-VARIANTS: dict[str, Variant] = _variants()
+VARIANTS: dict[str, Variant] = {
+    v.name: v for v in (Variant(e, rope) for e in EPILOGUES.values() for rope in (False, True))
+}

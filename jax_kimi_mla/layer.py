@@ -40,10 +40,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import ops
-from ._checks import DS_MLA_ENTRY_BYTES, ENTRY, L, P, R, V, columns
+from ._checks import columns
+from .formats import CACHE_FORMATS, ENTRY, L, P, R, V
 from .numerics import E4M3_MAX, ds_mla_dequantize, rope
 
-CACHE_FORMATS = ("bf16", "fp8", "fp8_ds_mla")
 SOFTMAX_SCALE = 1.0 / math.sqrt(P + R)
 # The per-tensor fp8 scales are set for |x| up to 8: activations here are O(1) by construction.
 FP8_SCALE_INV = E4M3_MAX / 8.0
@@ -69,7 +69,7 @@ class MLAConfig:
 
     def __post_init__(self):
         if self.cache_format not in CACHE_FORMATS:
-            raise ValueError(f"cache_format must be one of {CACHE_FORMATS}, got {self.cache_format!r}")
+            raise ValueError(f"cache_format must be one of {tuple(CACHE_FORMATS)}, got {self.cache_format!r}")
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_layers"))
@@ -103,13 +103,9 @@ def init_params(key, config: MLAConfig, num_layers: int | None = None):
 def allocate_cache(config: MLAConfig, num_blocks: int, block_size: int, num_layers: int | None = None):
     """A zeroed paged cache [num_blocks, block_size, W] (with [num_layers] in front if given):
     W = 576 in the activation dtype ("bf16"), 576 float8_e4m3fn ("fp8"), 656 uint8 ("fp8_ds_mla")."""
-    width, dtype = {
-        "bf16": (ENTRY, config.dtype),
-        "fp8": (ENTRY, jnp.float8_e4m3fn),
-        "fp8_ds_mla": (DS_MLA_ENTRY_BYTES, jnp.uint8),
-    }[config.cache_format]
+    fmt = CACHE_FORMATS[config.cache_format]
     lead = () if num_layers is None else (num_layers,)
-    return jnp.zeros((*lead, num_blocks, block_size, width), dtype)
+    return jnp.zeros((*lead, num_blocks, block_size, fmt.width), fmt.cache_dtype(config.dtype))
 
 
 def _proj(spec, x, w):

@@ -27,16 +27,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _checks, _ffi
+from .formats import EPILOGUES, Epilogue
 
 _NO_POSITIONS = ((0,), jnp.int32)
 _NO_COS_SIN = ((0, _checks.R), jnp.float32)
 
 
-def _operands(a, names, extra=()):
-    """The FFI operands: the named checked arguments, then the RoPE pair (empty stand-ins without
-    RoPE), then ``extra``; and the column attributes of inputs given as ``columns(...)``."""
+def _operands(a, epilogue: Epilogue, scales=()):
+    """The FFI operands of an epilogue target: its checked inputs, then the RoPE pair (empty
+    stand-ins without RoPE), then its scales; and the column attributes of inputs given as
+    ``columns(...)``."""
     operands, attrs = [], {}
-    for name in names:
+    for name in epilogue.inputs:
         x = a[name]
         if isinstance(x, _checks.Columns):
             attrs[f"{name}_col"] = np.int64(x.start)
@@ -46,27 +48,33 @@ def _operands(a, names, extra=()):
         operands += [jnp.zeros(*_NO_POSITIONS), jnp.zeros(*_NO_COS_SIN)]
     else:
         operands += [a["positions"], a["cos_sin_cache"]]
-    return operands + list(extra), attrs
+    return operands + list(scales), attrs
 
 
 def _like(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
-def _prefill(op, fmt, q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache):
+def _call(epilogue: Epilogue, operands, result_shapes, attrs, aliases=None):
+    """One epilogue target, its cache aliased (and ``aliases``)."""
+    aliases = {epilogue.cache_input: epilogue.cache_output} | (aliases or {})
+    return _ffi.call(epilogue.target, operands, result_shapes, aliases, attrs)
+
+
+def _prefill(epilogue: Epilogue, q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache):
     checked, a = _checks.prefill(
-        q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, cache_format=fmt
+        q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, cache_format=epilogue.cache_format.name
     )
     T, H = checked.tokens, checked.heads
     # Without RoPE q comes back unchanged: the handler gets empty stand-ins and never touches it.
     q_in = a["q"] if checked.rope else jnp.zeros((0,), checked.act)
-    operands, attrs = _operands(dict(a, q=q_in), ["q", "k_nope", "k_pe", "kv_c_normed", "kv_cache", "slot_mapping"])
-    k, q_out, cache = _ffi.call(
-        op,
+    operands, attrs = _operands(dict(a, q=q_in), epilogue)
+    k, q_out, cache = _call(
+        epilogue,
         operands,
         [jax.ShapeDtypeStruct((T, H, _checks.P + _checks.R), checked.act), _like(q_in), _like(a["kv_cache"])],
-        {0: 1, 4: 2},
         attrs,
+        aliases={epilogue.inputs.index("q"): epilogue.outputs.index("q")},
     )
     return k, (q_out if checked.rope else a["q"]), cache
 
@@ -92,7 +100,7 @@ def fused_mla_key_concat_kv_cache_insert(q, k_nope, k_pe, kv_c_normed, kv_cache,
       k, q, kv_cache = jax.jit(fused_mla_key_concat_kv_cache_insert, donate_argnums=(4,))(
           q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping)
     """
-    return _prefill("prefill_kv_cache", "kv", q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache)
+    return _prefill(EPILOGUES["prefill_bf16"], q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache)
 
 
 def fused_mla_key_concat_ds_mla_insert(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, *, positions=None, cos_sin_cache=None):
@@ -102,7 +110,7 @@ def fused_mla_key_concat_ds_mla_insert(q, k_nope, k_pe, kv_c_normed, kv_cache, s
     64 bfloat16 values of r. ``k`` and ``q`` stay in the activation dtype.
     Read entries back with :func:`jax_kimi_mla.ds_mla_dequantize`.
     """
-    return _prefill("prefill_ds_mla", "ds_mla", q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache)
+    return _prefill(EPILOGUES["prefill_fp8_ds_mla"], q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache)
 
 
 def fused_mla_qkv_quant_kv_cache_fp8_insert(
@@ -129,9 +137,10 @@ def fused_mla_qkv_quant_kv_cache_fp8_insert(
     scales = _checks.fp8_prefill_scales(q_scale_inv, k_scale_inv, v_scale_inv, cache_scale_inv)
     T, H = checked.tokens, checked.heads
     fp8 = jnp.float8_e4m3fn
-    operands, attrs = _operands(a, ["q", "k_nope", "k_pe", "kv_c_normed", "v", "kv_cache", "slot_mapping"], scales)
-    return _ffi.call(
-        "prefill_fp8",
+    epilogue = EPILOGUES["prefill_fp8"]
+    operands, attrs = _operands(a, epilogue, scales)
+    return _call(
+        epilogue,
         operands,
         [
             jax.ShapeDtypeStruct((T, H, _checks.P + _checks.R), fp8),
@@ -139,7 +148,6 @@ def fused_mla_qkv_quant_kv_cache_fp8_insert(
             jax.ShapeDtypeStruct((T, H, _checks.V), fp8),
             _like(a["kv_cache"]),
         ],
-        {5: 3},
         attrs,
     )
 
@@ -165,14 +173,13 @@ def fused_mla_decode_q_concat_kv_cache_insert(
     checked, fmt, a = _checks.decode(
         ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, ds_mla, q_scale_inv, cache_scale_inv, positions, cos_sin_cache
     )
-    scales = [a["q_scale_inv"], a["cache_scale_inv"]] if fmt == "fp8" else []
+    epilogue = EPILOGUES[f"decode_{fmt}"]
     q_dtype = jnp.float8_e4m3fn if fmt == "fp8" else checked.act
-    operands, attrs = _operands(a, ["ql_nope", "q_pe", "kv_c_normed", "k_pe", "kv_cache", "slot_mapping"], scales)
-    return _ffi.call(
-        {"kv": "decode_kv_cache", "fp8": "decode_fp8", "ds_mla": "decode_ds_mla"}[fmt],
+    operands, attrs = _operands(a, epilogue, [a[name] for name in epilogue.scales])
+    return _call(
+        epilogue,
         operands,
         [jax.ShapeDtypeStruct((checked.tokens, checked.heads, _checks.ENTRY), q_dtype), _like(a["kv_cache"])],
-        {4: 1},
         attrs,
     )
 

@@ -52,7 +52,7 @@ def _rounded(x32, raw, rope, dtype):
 def _entry(fmt, kv_c_normed, r32, k_pe, rope, cache_scale_inv=None):
     """The cache entries [T, width] of a cache format from the latent, the float32 (RoPE'd) k_pe
     and the input k_pe [T, 64]."""
-    if fmt == "ds_mla":
+    if fmt == "fp8_ds_mla":
         return ds_mla_encode(kv_c_normed.astype(jnp.float32), _rounded(r32, k_pe, rope, jnp.bfloat16))
     if fmt == "fp8":
         return quantize_e4m3(jnp.concatenate([kv_c_normed.astype(jnp.float32), r32], -1), cache_scale_inv)
@@ -79,12 +79,12 @@ def _prefill(fmt, q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, position
 
 def fused_mla_key_concat_kv_cache_insert(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, *, positions=None, cos_sin_cache=None):
     """Reference of :func:`jax_kimi_mla.fused_mla_key_concat_kv_cache_insert`."""
-    return _prefill("kv", q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache)
+    return _prefill("bf16", q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache)
 
 
 def fused_mla_key_concat_ds_mla_insert(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, *, positions=None, cos_sin_cache=None):
     """Reference of :func:`jax_kimi_mla.fused_mla_key_concat_ds_mla_insert`."""
-    return _prefill("ds_mla", q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache)
+    return _prefill("fp8_ds_mla", q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache)
 
 
 def fused_mla_qkv_quant_kv_cache_fp8_insert(

@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 
 import jax_kimi_mla
+from jax_kimi_mla.formats import EPILOGUES
 
 L, P, R, V = 512, 128, 64, 128
 ENTRY = L + R
@@ -28,18 +29,23 @@ FP16 = np.dtype(np.float16)
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 ACT = {"bf16": BF16, "fp16": FP16}
 
-FORMATS = ("prefill_kv", "prefill_ds_mla", "prefill_fp8", "decode_kv", "decode_fp8", "decode_ds_mla")
+# The epilogue targets by name ("prefill_bf16", ..., "decode_fp8_ds_mla"): jax_kimi_mla.formats.
+FORMATS = tuple(EPILOGUES)
 
-# Per format, the outputs in order as (name, kind, first RoPE'd column or None). Kinds: "act"
-# (the activation dtype), "fp8" (E4M3 codes), "ds_mla" (656-byte entries).
-OUTPUTS = {
-    "prefill_kv": (("k", "act", P), ("q", "act", P), ("kv_cache", "act", L)),
-    "prefill_ds_mla": (("k", "act", P), ("q", "act", P), ("kv_cache", "ds_mla", None)),
-    "prefill_fp8": (("q_fp8", "fp8", P), ("k_fp8", "fp8", P), ("v_fp8", "fp8", None), ("kv_cache", "fp8", L)),
-    "decode_kv": (("mqa_q", "act", L), ("kv_cache", "act", L)),
-    "decode_fp8": (("mqa_q", "fp8", L), ("kv_cache", "fp8", L)),
-    "decode_ds_mla": (("mqa_q", "act", L), ("kv_cache", "ds_mla", None)),
-}
+
+def _output_facts(e) -> tuple:
+    """(name, kind, first RoPE'd column or None) of each output of an epilogue, in order. Kinds:
+    "act" (the activation dtype), "fp8" (E4M3 codes), "ds_mla" (656-byte entries)."""
+    fmt = e.cache_format.name
+    facts = {
+        "k": ("act", P), "q": ("act", P), "q_fp8": ("fp8", P), "k_fp8": ("fp8", P), "v_fp8": ("fp8", None),
+        "mqa_q": ("fp8" if fmt == "fp8" else "act", L),
+        "kv_cache": {"bf16": ("act", L), "fp8": ("fp8", L), "fp8_ds_mla": ("ds_mla", None)}[fmt],
+    }
+    return tuple((name, *facts[name]) for name in e.outputs)
+
+
+OUTPUTS = {name: _output_facts(e) for name, e in EPILOGUES.items()}
 
 
 def cache_kind(fmt: str) -> str:
@@ -204,21 +210,22 @@ def invoke(impl, fmt: str, a: dict):
     Optional inputs (RoPE, decode scales) are passed exactly when their key is present; a
     ``ds_mla`` key overrides the decode format's own flag.
     """
-    rope = {k: a[k] for k in ("positions", "cos_sin_cache") if k in a}
-    common = (a["kv_cache"], a["slot_mapping"])
-    if fmt in ("prefill_kv", "prefill_ds_mla"):
-        op = impl.fused_mla_key_concat_kv_cache_insert if fmt == "prefill_kv" else impl.fused_mla_key_concat_ds_mla_insert
-        return op(a["q"], a["k_nope"], a["k_pe"], a["kv_c_normed"], *common, **rope)
-    if fmt == "prefill_fp8":
-        return impl.fused_mla_qkv_quant_kv_cache_fp8_insert(
-            a["q"], a["k_nope"], a["k_pe"], a["kv_c_normed"], a["v"], *common,
-            a["q_scale_inv"], a["k_scale_inv"], a["v_scale_inv"], a["cache_scale_inv"], **rope,
-        )
-    scales = {k: a[k] for k in ("q_scale_inv", "cache_scale_inv") if k in a}
-    return impl.fused_mla_decode_q_concat_kv_cache_insert(
-        a["ql_nope"], a["q_pe"], a["kv_c_normed"], a["k_pe"], *common,
-        ds_mla=a.get("ds_mla", fmt == "decode_ds_mla"), **scales, **rope,
-    )
+    args, kwargs = split_args(fmt, a)
+    return getattr(impl, EPILOGUES[fmt].op)(*args, **(EPILOGUES[fmt].static_kwargs | kwargs))
+
+
+def positional(fmt: str) -> tuple[str, ...]:
+    """The positional arguments of the public op of ``fmt``: its FFI inputs, then (in prefill)
+    its scales."""
+    e = EPILOGUES[fmt]
+    return e.inputs + (e.scales if e.phase == "prefill" else ())
+
+
+def split_args(fmt: str, a: dict):
+    """Named inputs -> (positional, keyword) arguments of the public op of ``fmt``; the keyword
+    arguments that select the target (``ds_mla=True``) are left to the caller."""
+    names = positional(fmt)
+    return [a[n] for n in names], {n: a[n] for n in a if n not in names}
 
 
 @functools.cache

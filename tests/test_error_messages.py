@@ -25,6 +25,7 @@ from jax.experimental import checkify
 
 import jax_kimi_mla
 from jax_kimi_mla import _checks, debug, numerics, reference
+from jax_kimi_mla.formats import EPILOGUES
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "ERRORS.md"
 DTYPES = {name: np.dtype(name) for name in ("float16", "float32", "int16", "int32", "int64", "uint8")}
@@ -83,13 +84,10 @@ def base(fmt: str) -> dict:
     a.update(k_pe=zeros(T, 64), kv_c_normed=zeros(T, 512))
     if fmt == "prefill_fp8":
         a["v"] = zeros(T, H, 128)
-    cache = fmt.split("_", 1)[1]
-    a["kv_cache"] = {"kv": zeros(4, 2, 576), "ds_mla": np.zeros((4, 2, 656), np.uint8),
-                     "fp8": np.zeros((4, 2, 576), DTYPES["float8_e4m3fn"])}[cache]
+    cache = EPILOGUES[fmt].cache_format
+    a["kv_cache"] = np.zeros((4, 2, cache.width), cache.cache_dtype(DTYPES["bfloat16"]))
     a["slot_mapping"] = np.zeros(T, np.int32)
-    scales = {"prefill_fp8": ("q_scale_inv", "k_scale_inv", "v_scale_inv", "cache_scale_inv"),
-              "decode_fp8": ("q_scale_inv", "cache_scale_inv")}.get(fmt, ())
-    a.update({name: np.zeros((), np.float32) for name in scales})
+    a.update({name: np.zeros((), np.float32) for name in EPILOGUES[fmt].scales})
     return a
 
 
@@ -196,7 +194,7 @@ def test_check_inputs_guards_a_jitted_step():
         debug.check_inputs(kv_cache, slot_mapping, block_size=2)
         return jax_kimi_mla.fused_mla_decode_q_concat_kv_cache_insert(ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping)
 
-    a = base("decode_kv")
+    a = base("decode_bf16")
     args = [a[k] for k in ("ql_nope", "q_pe", "kv_c_normed", "k_pe", "kv_cache")]
     checked = jax.jit(checkify.checkify(step), donate_argnums=(4,))
     err, (mqa_q, cache) = checked(*args, np.array([1, 7], np.int32))

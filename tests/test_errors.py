@@ -105,12 +105,12 @@ def cache(shape_dtype):
 
 N_BS = (3, 16)
 FORMAT_CASES = {
-    "prefill_kv": [
+    "prefill_bf16": [
         ("uint8-cache", cache(((*N_BS, 576), np.uint8)), TypeError, "kv_cache"),
         ("fp16-cache-for-bf16", cache(((*N_BS, 576), np.float16)), TypeError, "kv_cache"),
         ("ds_mla-cache", cache(((*N_BS, 656), np.uint8)), TypeError, "kv_cache"),
     ],
-    "prefill_ds_mla": [
+    "prefill_fp8_ds_mla": [
         ("bf16-cache", cache(((*N_BS, 656), jax.numpy.bfloat16)), TypeError, "kv_cache"),
         ("plain-width", cache(((*N_BS, 576), np.uint8)), ValueError, "kv_cache"),
     ],
@@ -120,7 +120,7 @@ FORMAT_CASES = {
         ("v-missing", lambda a: with_(a, v=None), TypeError, "v"),
         *scale_cases(("q_scale_inv", "k_scale_inv", "v_scale_inv", "cache_scale_inv")),
     ],
-    "decode_kv": [
+    "decode_bf16": [
         ("ds_mla-cache-without-flag", cache(((*N_BS, 656), np.uint8)), TypeError, "kv_cache"),
         ("fp8-cache-without-scales", cache(((*N_BS, 576), jax.numpy.float8_e4m3fn)), TypeError, "kv_cache"),
         ("fp16-cache-for-bf16", cache(((*N_BS, 576), np.float16)), TypeError, "kv_cache"),
@@ -132,7 +132,7 @@ FORMAT_CASES = {
         ("ds_mla-cache-with-scales", cache(((*N_BS, 656), np.uint8)), TypeError, "kv_cache"),
         *scale_cases(("q_scale_inv", "cache_scale_inv")),
     ],
-    "decode_ds_mla": [
+    "decode_fp8_ds_mla": [
         ("bf16-cache", cache(((*N_BS, 576), jax.numpy.bfloat16)), TypeError, "kv_cache"),
         ("fp8-cache", cache(((*N_BS, 576), jax.numpy.float8_e4m3fn)), TypeError, "kv_cache"),
         ("plain-width", cache(((*N_BS, 576), np.uint8)), ValueError, "kv_cache"),
@@ -174,7 +174,7 @@ def test_well_formed_call_traces(fmt):
 
 
 def test_eager_call_raises_the_same():
-    a = retyped(base("decode_kv"), "slot_mapping", np.float32)
+    a = retyped(base("decode_bf16"), "slot_mapping", np.float32)
     with pytest.raises(TypeError, match="slot_mapping") as eager:
-        invoke(jax_kimi_mla, "decode_kv", a)
-    assert str(eager.value) == str(trace_error(jax_kimi_mla, "decode_kv", a))
+        invoke(jax_kimi_mla, "decode_bf16", a)
+    assert str(eager.value) == str(trace_error(jax_kimi_mla, "decode_bf16", a))

@@ -22,36 +22,19 @@ from _util import (
     invoke,
     make_case,
     nope_expected,
+    positional,
     put,
     run_reference,
+    split_args,
     to_numpy,
 )
-
-# The positional operands of each op; RoPE inputs and decode's format switches go by keyword.
-POSITIONAL = {
-    "prefill_kv": ("q", "k_nope", "k_pe", "kv_c_normed", "kv_cache", "slot_mapping"),
-    "prefill_ds_mla": ("q", "k_nope", "k_pe", "kv_c_normed", "kv_cache", "slot_mapping"),
-    "prefill_fp8": ("q", "k_nope", "k_pe", "kv_c_normed", "v", "kv_cache", "slot_mapping",
-                    "q_scale_inv", "k_scale_inv", "v_scale_inv", "cache_scale_inv"),
-    "decode_kv": ("ql_nope", "q_pe", "kv_c_normed", "k_pe", "kv_cache", "slot_mapping"),
-    "decode_fp8": ("ql_nope", "q_pe", "kv_c_normed", "k_pe", "kv_cache", "slot_mapping"),
-    "decode_ds_mla": ("ql_nope", "q_pe", "kv_c_normed", "k_pe", "kv_cache", "slot_mapping"),
-}
-
+from jax_kimi_mla.formats import EPILOGUES
 
 def op_of(fmt):
-    """The public op as a function of POSITIONAL[fmt] plus keyword arrays."""
-    if fmt in ("prefill_kv", "prefill_ds_mla"):
-        return jax_kimi_mla.fused_mla_key_concat_kv_cache_insert if fmt == "prefill_kv" else jax_kimi_mla.fused_mla_key_concat_ds_mla_insert
-    if fmt == "prefill_fp8":
-        return jax_kimi_mla.fused_mla_qkv_quant_kv_cache_fp8_insert
-    return functools.partial(jax_kimi_mla.fused_mla_decode_q_concat_kv_cache_insert, ds_mla=fmt == "decode_ds_mla")
-
-
-def split_args(fmt, a):
-    args = [a[n] for n in POSITIONAL[fmt]]
-    kwargs = {n: a[n] for n in a if n not in POSITIONAL[fmt]}
-    return args, kwargs
+    """The public op of ``fmt``, its target selected: a function of positional(fmt) plus keyword
+    arrays."""
+    e = EPILOGUES[fmt]
+    return functools.partial(getattr(jax_kimi_mla, e.op), **e.static_kwargs)
 
 
 def output_index(fmt, name):
@@ -89,17 +72,17 @@ def owned(x):
 def run_donated(backend, fmt, a, donated):
     """Jits the op with ``donated`` operands donated; returns (compiled text, input pointers,
     outputs)."""
-    argnums = tuple(i for i, n in enumerate(POSITIONAL[fmt]) if n in donated)
+    argnums = tuple(i for i, n in enumerate(positional(fmt)) if n in donated)
     step = jax.jit(op_of(fmt), donate_argnums=argnums)
     args, kwargs = split_args(fmt, put(a, backend))
-    args = [owned(x) if n in donated else x for n, x in zip(POSITIONAL[fmt], args)]
+    args = [owned(x) if n in donated else x for n, x in zip(positional(fmt), args)]
     hlo = step.lower(*args, **kwargs).compile().as_text()
-    pointers = {n: args[POSITIONAL[fmt].index(n)].unsafe_buffer_pointer() for n in donated}
+    pointers = {n: args[positional(fmt).index(n)].unsafe_buffer_pointer() for n in donated}
     return hlo, pointers, step(*args, **kwargs)
 
 
 def check_in_place(fmt, name, hlo, pointers, got, shape):
-    param, out = POSITIONAL[fmt].index(name), output_index(fmt, name)
+    param, out = positional(fmt).index(name), output_index(fmt, name)
     assert aliased_param(hlo, out) == param, f"{name}: output {out} is not aliased to parameter {param}"
     assert not copies_of(hlo, shape), f"{name} is copied: {copies_of(hlo, shape)}"
     assert got[out].unsafe_buffer_pointer() == pointers[name], f"{name}: the result is not in the donated buffer"
@@ -120,7 +103,7 @@ def test_donated_cache_is_updated_in_place(backend, fmt, rope):
     check_result(fmt, to_numpy(got), a, rope)
 
 
-@pytest.mark.parametrize("fmt", ["prefill_kv", "prefill_ds_mla"])
+@pytest.mark.parametrize("fmt", ["prefill_bf16", "prefill_fp8_ds_mla"])
 def test_q_is_rotated_in_place_inside_a_step(backend, fmt):
     """With RoPE the prefill ops return q aliased to their q operand. In a model step q is an
     intermediate (q_b_proj's output), so XLA rotates it in its own buffer: no copy of q."""
@@ -141,7 +124,7 @@ def test_q_is_rotated_in_place_inside_a_step(backend, fmt):
 
 @pytest.mark.xfail(strict=True, reason="jax pairs a donated argument with the FIRST output of its "
                    "shape; k [T,H,192] comes before q, so XLA copies q (documented in ops.py)")
-@pytest.mark.parametrize("fmt", ["prefill_kv", "prefill_ds_mla"])
+@pytest.mark.parametrize("fmt", ["prefill_bf16", "prefill_fp8_ds_mla"])
 def test_donated_q_argument_is_rotated_in_place(backend, fmt):
     a = make_case(Case(fmt, 11, 3, rope=True, seed=7))
     hlo, pointers, got = run_donated(backend, fmt, a, {"q", "kv_cache"})
@@ -157,29 +140,29 @@ def test_without_donation_input_is_kept(backend, fmt, rope):
     args, kwargs = split_args(fmt, put(a, backend))
     got = to_numpy(jax.jit(op_of(fmt))(*args, **kwargs))
     check_result(fmt, got, pristine, rope)
-    for name, x in zip(POSITIONAL[fmt], args):
+    for name, x in zip(positional(fmt), args):
         assert_bits_equal(np.asarray(x), pristine[name], f"input {name} after the call")
 
 
 def test_chained_steps_stay_in_one_buffer(backend):
     """Several decode steps on one donated cache: always the same buffer, every step's rows there."""
-    base = make_case(Case("decode_kv", 4, 2, seed=9))
-    step = jax.jit(op_of("decode_kv"), donate_argnums=(4,))
+    base = make_case(Case("decode_bf16", 4, 2, seed=9))
+    step = jax.jit(op_of("decode_bf16"), donate_argnums=(4,))
     cache = owned(put(base["kv_cache"], backend))
     pointer = cache.unsafe_buffer_pointer()
     want = base["kv_cache"].copy()
     for i in range(3):
-        a = make_case(Case("decode_kv", 4, 2, seed=10 + i))
+        a = make_case(Case("decode_bf16", 4, 2, seed=10 + i))
         a["slot_mapping"] = np.arange(4 * i, 4 * i + 4, dtype=np.int32)
         a["kv_cache"] = want
-        want = nope_expected("decode_kv", a)[-1]
-        args, kwargs = split_args("decode_kv", put({k: v for k, v in a.items() if k != "kv_cache"} | {"kv_cache": cache}, backend))
+        want = nope_expected("decode_bf16", a)[-1]
+        args, kwargs = split_args("decode_bf16", put({k: v for k, v in a.items() if k != "kv_cache"} | {"kv_cache": cache}, backend))
         _, cache = step(*args, **kwargs)
         assert cache.unsafe_buffer_pointer() == pointer, f"step {i}: the cache moved"
     assert_bits_equal(np.asarray(cache), want, "cache after 3 steps")
 
 
-@pytest.mark.parametrize("fmt,rope", [("prefill_kv", False), ("decode_ds_mla", True)])
+@pytest.mark.parametrize("fmt,rope", [("prefill_bf16", False), ("decode_fp8_ds_mla", True)])
 def test_op_among_other_work(backend, fmt, rope):
     """A matmul produces the op's inputs and a reduction consumes its outputs, in one jit with
     the cache donated: the same as the reference in the same program."""
@@ -210,7 +193,7 @@ def test_op_among_other_work(backend, fmt, rope):
     np.testing.assert_allclose(np.asarray(got_sum), np.asarray(want_sum), rtol=1e-3 if rope else 1e-6)
 
 
-@pytest.mark.parametrize("fmt", ["decode_kv", "prefill_ds_mla", "decode_fp8"])
+@pytest.mark.parametrize("fmt", ["decode_bf16", "prefill_fp8_ds_mla", "decode_fp8"])
 def test_scan_over_layers(backend, fmt):
     """A [layers, N, bs, width] cache carried through lax.scan, each layer inserting into its
     own slice, equals a Python loop over the layers."""

@@ -181,11 +181,11 @@ def test_nonfinite_input(backend, fmt, rope, name, act, kind):
         "fp16",
     ],
 )
-@pytest.mark.parametrize("fmt", ["prefill_kv", "decode_kv"])
+@pytest.mark.parametrize("fmt", ["prefill_bf16", "decode_bf16"])
 def test_reference_copies_nan_payloads(fmt, act):
     """The spec's "exact copy" holds for the reference too (without RoPE), NaN payloads included."""
     a = make_case(Case(fmt, act=act, tokens=6, block_size=4, seed=3))
-    for name in ("k_pe", "kv_c_normed", "k_nope" if fmt == "prefill_kv" else "ql_nope"):
+    for name in ("k_pe", "kv_c_normed", "k_nope" if fmt == "prefill_bf16" else "ql_nope"):
         a[name] = inject(a[name], "nan")
     got = run(reference, fmt, a, "cpu")
     want = spec_model(fmt, a)
@@ -196,7 +196,7 @@ def test_reference_copies_nan_payloads(fmt, act):
         assert_bits_equal(g, w, f"reference {fmt} {name}")
 
 
-@pytest.mark.parametrize("fmt", ["prefill_ds_mla", "decode_ds_mla"])
+@pytest.mark.parametrize("fmt", ["prefill_fp8_ds_mla", "decode_fp8_ds_mla"])
 def test_ds_mla_amax_ignores_signalling_nan(backend, fmt):
     """A signalling NaN is ignored by the tile amax like any NaN. (glibc's fmaxf answers NaN for a
     signalling NaN operand: an amax folded with it forgets the maximum seen before, and the tile
@@ -212,7 +212,7 @@ def test_ds_mla_amax_ignores_signalling_nan(backend, fmt):
     assert entry[:1].view(FP8).astype(np.float32)[0] == 384.0  # 100 / 0.25 -> nearest E4M3
 
 
-@pytest.mark.parametrize("fmt", ["prefill_ds_mla", "decode_ds_mla"])
+@pytest.mark.parametrize("fmt", ["prefill_fp8_ds_mla", "decode_fp8_ds_mla"])
 def test_ds_mla_tile_scales(backend, fmt):
     """The four tile cases spelled out: all NaN, NaN among finite values, one inf, all finite."""
     a = make_case(Case(fmt, tokens=3, block_size=4, seed=5))

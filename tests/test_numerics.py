@@ -106,7 +106,7 @@ def _tile_inputs(act: str, rng):
     return out
 
 
-@pytest.mark.parametrize("fmt", ["prefill_ds_mla", "decode_ds_mla"])
+@pytest.mark.parametrize("fmt", ["prefill_fp8_ds_mla", "decode_fp8_ds_mla"])
 @pytest.mark.parametrize("act", ["bf16", "fp16"])
 def test_ds_mla_tile_scales(backend, fmt, act):
     rng = np.random.default_rng(3)
@@ -137,9 +137,9 @@ def test_ds_mla_scale_oracle():
 def test_ds_mla_dequantize_round_trip(backend, act):
     """Dequantized latents are within half an E4M3 step of the input, relative to each value
     (absolute half a subnormal step, scaled by the tile scale, near zero); k_pe comes back."""
-    a = make_case(Case("prefill_ds_mla", 40, 1, act, seed=5))
+    a = make_case(Case("prefill_fp8_ds_mla", 40, 1, act, seed=5))
     a["slot_mapping"] = np.arange(40, dtype=np.int32)
-    cache = to_numpy(jitted(jax_kimi_mla, "prefill_ds_mla")(put(a, backend)))[-1]
+    cache = to_numpy(jitted(jax_kimi_mla, "prefill_fp8_ds_mla")(put(a, backend)))[-1]
     entries = cache.reshape(-1, DS_MLA_BYTES)[:40]
     latent, k_pe = to_numpy(jax.jit(jax_kimi_mla.ds_mla_dequantize)(entries))
     assert latent.shape == (40, L) and latent.dtype == np.float32 and k_pe.shape == (40, R) and k_pe.dtype == BF16
@@ -186,11 +186,11 @@ def test_rope_formula(backend):
     cos/sin or a pairing mistake shared with the reference would show: float32 math then one
     bf16 rounding, so within half a bf16 ulp of the result plus float32 error of the terms."""
     rng = np.random.default_rng(11)
-    a = make_case(Case("decode_kv", 6, 2, rope=True, max_position=5), rng)
+    a = make_case(Case("decode_bf16", 6, 2, rope=True, max_position=5), rng)
     a["cos_sin_cache"] = rng.standard_normal((5, R)).astype(np.float32)
     a["positions"] = np.array([0, 4, -3, 5, 1 << 30, 2], np.int32)
     a["slot_mapping"] = np.arange(6, dtype=np.int32)
-    mqa_q, cache = to_numpy(jitted(jax_kimi_mla, "decode_kv")(put(a, backend)))
+    mqa_q, cache = to_numpy(jitted(jax_kimi_mla, "decode_bf16")(put(a, backend)))
     rows = a["cos_sin_cache"][np.clip(a["positions"], 0, 4)].astype(np.float64)
     for what, got, x in (("q_pe", mqa_q[..., L:], a["q_pe"]), ("k_pe", cache.reshape(-1, 576)[:6, L:], a["k_pe"])):
         want, terms = _rope_f64(x.astype(np.float64), rows)

@@ -107,7 +107,7 @@ def test_vmap_matches_loop(backend, fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_vmap_keeps_untouched_rows(request, backend, fmt):
-    if backend == "cpu" and fmt in ("prefill_kv", "decode_kv"):
+    if backend == "cpu" and fmt in ("prefill_bf16", "decode_bf16"):
         # vmap_method="sequential" carries the bf16 cache through a loop that XLA's CPU backend
         # computes in float32: NaN payloads in rows the op never writes lose their low bits.
         # (seen with jax 0.10.2; jax 0.11.2 keeps them, hence not strict)
@@ -190,7 +190,7 @@ def test_cuda_matches_cpu_handler(fmt, rope, act):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fmt", ["decode_kv", "prefill_kv"])
+@pytest.mark.parametrize("fmt", ["decode_bf16", "prefill_bf16"])
 def test_cuda_many_tokens(fmt):
     """More tokens than one grid dimension holds (65535): every token is still written."""
     case = Case(fmt, 65536 + 37, 2, block_size=64)

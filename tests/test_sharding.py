@@ -14,19 +14,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import jax_kimi_mla as jkm
 from _util import ACT, FORMATS, Case, bits, cache_shape_dtype, make_case, sentinel
 from jax_kimi_mla import sharding
+from jax_kimi_mla.formats import EPILOGUES
 
 BS = 4
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
-
-OPS = {
-    "prefill_kv": jkm.fused_mla_key_concat_kv_cache_insert,
-    "prefill_ds_mla": jkm.fused_mla_key_concat_ds_mla_insert,
-    "prefill_fp8": jkm.fused_mla_qkv_quant_kv_cache_fp8_insert,
-    "decode_kv": jkm.fused_mla_decode_q_concat_kv_cache_insert,
-    "decode_fp8": jkm.fused_mla_decode_q_concat_kv_cache_insert,
-    "decode_ds_mla": jkm.fused_mla_decode_q_concat_kv_cache_insert,
-}
-
 
 def _round_up(x: int, d: int) -> int:
     return -(-x // d) * d
@@ -107,15 +98,14 @@ def global_slots(devs, rng):
 def make_inputs(devs, fmt, rope, seed=0):
     """(op, keyword arguments, static argnames): the shared random inputs of ``fmt`` at the sizes
     of ``devs``, with an [N, BS] sentinel cache and slots laid out for data parallelism."""
-    act = "fp16" if fmt == "prefill_kv" else "bf16"
+    act = "fp16" if fmt == "prefill_bf16" else "bf16"
     case = Case(fmt, tokens=devs.T, heads=devs.H, act=act, rope=rope, block_size=BS, seed=seed)
     kw = make_case(case)
     rng = np.random.default_rng(seed + 1000)
     kw["kv_cache"] = sentinel(rng, *cache_shape_dtype(fmt, ACT[case.act], devs.N, BS))
     kw["slot_mapping"] = global_slots(devs, rng)
-    if fmt == "decode_ds_mla":
-        return OPS[fmt], dict(kw, ds_mla=True), ("ds_mla",)
-    return OPS[fmt], kw, ()
+    e = EPILOGUES[fmt]
+    return getattr(jkm, e.op), kw | e.static_kwargs, tuple(e.static_kwargs)
 
 
 def single_device(devs, op, kw, static):
@@ -222,7 +212,7 @@ def test_local_slot_mapping():
 def test_local_slots_keep_other_shards_rows_untouched(devs):
     """A token whose page another device owns writes nothing, on any device."""
     mesh = devs.mesh()
-    op, kw, static = make_inputs(devs, "decode_kv", rope=False, seed=4)
+    op, kw, static = make_inputs(devs, "decode_bf16", rope=False, seed=4)
     kw["slot_mapping"] = np.roll(kw["slot_mapping"], devs.T // devs.D)  # every token's row now lives elsewhere
     local = dict(kw, slot_mapping=sharding.local_slot_mapping(kw["slot_mapping"], kw["kv_cache"].shape, devs.D))
     assert (np.asarray(local["slot_mapping"]) == -1).all()
@@ -231,7 +221,7 @@ def test_local_slots_keep_other_shards_rows_untouched(devs):
 
 
 def test_heads_not_divisible_by_the_axis_is_a_clear_error(devs):
-    op, kw, static = make_inputs(devs, "decode_kv", rope=False)
+    op, kw, static = make_inputs(devs, "decode_bf16", rope=False)
     heads = devs.H - 1  # H is a multiple of D >= 2, so H - 1 is not
     kw.update(ql_nope=kw["ql_nope"][:, :heads], q_pe=kw["q_pe"][:, :heads])
     message = f"head count H = {heads} must be a multiple of the size {devs.D} of mesh axis 'x'"
@@ -253,7 +243,7 @@ def test_legacy_shard_map_is_used_when_jax_has_no_top_level_one(devs, monkeypatc
     monkeypatch.delattr(jax, "shard_map")
     monkeypatch.setattr(legacy, "shard_map", fake)
     mesh = devs.mesh()
-    op, kw, static = make_inputs(devs, "decode_kv", rope=False, seed=5)
+    op, kw, static = make_inputs(devs, "decode_bf16", rope=False, seed=5)
     want = single_device(devs, op, kw, static)
     got, hlo, before = run_sharded(sharding.tensor_parallel(op, mesh, "x"), op, mesh, kw, static, head_axis="x")
     assert calls == [False]
