@@ -52,21 +52,21 @@ import numpy as np
 
 import jax_kimi_mla
 from jax_kimi_mla import layer
-from jax_kimi_mla._checks import DS_MLA_ENTRY_BYTES, ENTRY, L, R
+from jax_kimi_mla.formats import CACHE_FORMATS, ENTRY, L, R
 from jax_kimi_mla.numerics import ds_mla_encode, quantize_e4m3
 
 # bench.py sits beside this file; python -P does not put the script's folder on sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import COPY_BYTES, QUICK_COPY_BYTES, Timing, copy_ceiling, measure  # noqa: E402
+from bench import COPY_BYTES, QUICK_COPY_BYTES, Timing, copy_ceiling, measure
 
 BLOCK = 64
 SPARE_BLOCKS = 4  # cache blocks beyond those the tables hold
 FILL_CHUNK_BLOCKS = 1024  # the cache is filled this many blocks at a time (bounded scratch memory)
 HEADS = 12  # Kimi-K3 heads per GPU at TP8
 Q_LORA_RANK = 1536
-FORMATS = ("bf16", "fp8", "fp8_ds_mla")
+FORMATS = tuple(CACHE_FORMATS)
 TWO_FORMATS = ("bf16", "fp8_ds_mla")
-CACHE_ROW_BYTES = {"bf16": 2 * ENTRY, "fp8": ENTRY, "fp8_ds_mla": DS_MLA_ENTRY_BYTES}
+CACHE_ROW_BYTES = {name: fmt.entry_bytes(jnp.bfloat16) for name, fmt in CACHE_FORMATS.items()}
 SECTIONS = {
     "memory": "1. Memory-bound regime",
     "small": "2. Small batches",
@@ -86,7 +86,7 @@ MAX_LAYER_OVER_FLOOR = 1.5
 FIELDS = [
     "section", "name", "cache_format", "heads", "batch", "context", "q_tokens", "bytes", "weight_bytes",
     "floor_us", "op_us", "op_kernels", "op_wall_us", "ceiling_fraction",
-    "ref_us", "ref_kernels", "ref_wall_us", "speedup", "tflops", "time_source", "error",
+    "ref_us", "ref_kernels", "ref_wall_us", "speedup", "tflops", "matmul_fraction", "time_source", "error",
 ]
 
 
@@ -105,8 +105,8 @@ class Sizes:
 
 FULL = Sizes()
 QUICK = Sizes(
-    memory=((12,), (2,), (128, 256)), small=((1, 2), (64, 256)), point=(2, 128), wide=(128, 1, 64), matmul=512,
-    hidden=1024, layer=(("bf16", 2, 128), ("fp8_ds_mla", 2, 128), ("bf16", 1, 64)), copy_bytes=QUICK_COPY_BYTES,
+    memory=((12,), (2,), (64, 128)), small=((1, 2), (64, 128)), point=(2, 64), wide=(128, 1, 64), matmul=512,
+    hidden=1024, layer=(("bf16", 2, 64), ("fp8_ds_mla", 2, 64), ("bf16", 1, 64)), copy_bytes=QUICK_COPY_BYTES,
 )
 
 
@@ -248,9 +248,10 @@ def timed(step, args: list, donated: dict[int, int]) -> tuple[Timing | None, str
         return None, _message(e)
 
 
-def _fill(row: dict, prefix: str, t: Timing | None) -> None:
-    if t is not None:
-        row.update({f"{prefix}_us": t.seconds * 1e6, f"{prefix}_kernels": t.kernels, f"{prefix}_wall_us": t.wall_s * 1e6})
+def _timing_columns(prefix: str, t: Timing | None) -> dict:
+    if t is None:
+        return {}
+    return {f"{prefix}_us": t.seconds * 1e6, f"{prefix}_kernels": t.kernels, f"{prefix}_wall_us": t.wall_s * 1e6}
 
 
 def case_row(case: Case) -> dict:
@@ -258,67 +259,71 @@ def case_row(case: Case) -> dict:
                 context=case.context, q_tokens=case.q_tokens)
 
 
-def measure_case(case: Case, sizes: Sizes, ceiling: float, seed: int) -> dict:
-    """The case's row; an op or the reference that fails leaves its columns empty and its error."""
+def measure_case(case: Case, sizes: Sizes, ceiling: float, matmul_tflops: float | None, seed: int) -> dict:
+    """The case's row; an op or reference that fails leaves its columns empty and says why in error."""
     row = case_row(case)
-    errors = []
     if case.section == "layer":
         step = jax.jit(functools.partial(layer.decode, config=layer_config(case, sizes.hidden)), donate_argnums=6)
         args = layer_inputs(case, sizes.hidden, seed)
         op, error = timed(step, args, {6: 1})
         del args
-        errors.append(error)
         row["weight_bytes"], row["bytes"] = layer_bytes(case, sizes.hidden)
     else:
         args = attention_inputs(case, seed)
-        op, error = timed(attention_step(jax_kimi_mla.mla_decode_attention, case.fmt), args, {})
-        errors.append(error and f"op: {error}")
-        ref, error = timed(attention_step(jax_kimi_mla.reference.mla_decode_attention, case.fmt), args, {})
-        errors.append(error and f"reference: {error}")
+        op, op_error = timed(attention_step(jax_kimi_mla.mla_decode_attention, case.fmt), args, {})
+        ref, ref_error = timed(attention_step(jax_kimi_mla.reference.mla_decode_attention, case.fmt), args, {})
         del args
-        _fill(row, "ref", ref)
+        error = "; ".join(f"{who}: {e}" for who, e in (("op", op_error), ("reference", ref_error)) if e)
+        row |= _timing_columns("ref", ref)
         row["bytes"] = attention_bytes(case)
         if op is not None and ref is not None:
             row["speedup"] = ref.seconds / op.seconds
-    _fill(row, "op", op)
+    row |= _timing_columns("op", op)
     row["floor_us"] = row["bytes"] / ceiling * 1e6
-    if op is not None:
-        row["ceiling_fraction"] = row["floor_us"] / row["op_us"]
-        row["time_source"] = op.source
-        if case.section == "wide":
-            # Per query row and token: a 576-wide dot for the score, 512 multiply-adds for the output.
-            flops = 2 * (ENTRY + L) * case.batch * case.q_tokens * case.heads * case.context
-            row["tflops"] = flops / op.seconds / 1e12
-    row["error"] = "; ".join(e for e in errors if e)
+    row["error"] = error
+    if op is None:
+        return row
+    row["ceiling_fraction"] = row["floor_us"] / row["op_us"]
+    row["time_source"] = op.source
+    if case.section == "wide":
+        # Per query row and context token: a 576-wide dot for the score, 512 multiply-adds for the output.
+        row["tflops"] = 2 * (ENTRY + L) * case.batch * case.q_tokens * case.heads * case.context / op.seconds / 1e12
+        if matmul_tflops:
+            row["matmul_fraction"] = row["tflops"] / matmul_tflops
     return row
 
 
+def _calibration_row(name: str, t: Timing, **extra) -> dict:
+    return dict(section="calibration", name=name, **_timing_columns("op", t), time_source=t.source, **extra)
+
+
 def calibration(sizes: Sizes, with_matmul: bool) -> tuple[float, list[dict]]:
-    """The copy ceiling (bytes / s), and rows for it, the smallest op and (for the wide section)
-    a dense bf16 matmul: the yardsticks of this run."""
+    """The copy ceiling (bytes / s), and rows for it, the smallest op and (for the wide section) a
+    dense bf16 matmul: the yardsticks of this run."""
     ceiling, copy = copy_ceiling(sizes.copy_bytes)
-    rows = [dict(section="calibration", name=f"copy {sizes.copy_bytes >> 20} MiB", bytes=2 * sizes.copy_bytes,
-                 op_us=copy.seconds * 1e6, op_kernels=copy.kernels, op_wall_us=copy.wall_s * 1e6, time_source=copy.source)]
+    rows = [_calibration_row(f"copy {sizes.copy_bytes >> 20} MiB", copy, bytes=2 * sizes.copy_bytes)]
     smallest = measure(jax.jit(lambda x: x + 1), [jnp.zeros((1,), jnp.float32)], {})
-    rows.append(dict(section="calibration", name="smallest op (x + 1, one float32)", op_us=smallest.seconds * 1e6,
-                     op_kernels=smallest.kernels, op_wall_us=smallest.wall_s * 1e6, time_source=smallest.source))
+    rows.append(_calibration_row("smallest op (x + 1, one float32)", smallest))
     if with_matmul:
         n = sizes.matmul
         a, b = jax.random.normal(jax.random.key(1), (2, n, n), jnp.float32).astype(jnp.bfloat16)
-        mm = measure(jax.jit(jnp.matmul), [a, b], {})
+        matmul = measure(jax.jit(jnp.matmul), [a, b], {})
         del a, b
-        rows.append(dict(section="calibration", name=f"matmul bf16 {n}^3", op_us=mm.seconds * 1e6, op_kernels=mm.kernels,
-                         op_wall_us=mm.wall_s * 1e6, tflops=2 * n**3 / mm.seconds / 1e12, time_source=mm.source))
+        rows.append(_calibration_row(f"matmul bf16 {n}^3", matmul, tflops=2 * n**3 / matmul.seconds / 1e12))
     for r in rows:
-        print(f"{r['name']:40} {r['op_us']:10.2f} us  [{r['time_source']}]", flush=True)
+        print(f"{r['name']:48} {r['op_us']:10.2f} us  [{r['time_source']}]", flush=True)
     print(f"copy ceiling: {ceiling / 1e9:.1f} GB/s", flush=True)
     return ceiling, rows
 
 
-# ---- RESULTS.md ----
+# ---- RESULTS.md and plots ----
 
 def _ok(rows: list[dict], section: str) -> list[dict]:
     return [r for r in rows if r["section"] == section and r.get("op_us") is not None]
+
+
+def _num(x, fmt: str = "{:.2f}") -> str:
+    return "-" if x is None or x == "" else fmt.format(x)
 
 
 def _span(values: list[float], fmt: str) -> str:
@@ -326,74 +331,73 @@ def _span(values: list[float], fmt: str) -> str:
     return lo if lo == hi else f"{lo}-{hi}"
 
 
-def _pairs(rows: list[dict], key) -> list[tuple[dict, dict]]:
-    """(bf16 row, fp8_ds_mla row) pairs of equal key(row)."""
-    ds = {key(r): r for r in rows if r["cache_format"] == "fp8_ds_mla"}
-    return [(r, ds[key(r)]) for r in rows if r["cache_format"] == "bf16" and key(r) in ds]
+def _pairs(rows: list[dict], *keys: str) -> list[tuple[dict, dict]]:
+    """(bf16 row, fp8_ds_mla row) pairs that agree on ``keys``."""
+    ds = {tuple(r[k] for k in keys): r for r in rows if r["cache_format"] == "fp8_ds_mla"}
+    return [(r, ds[tuple(r[k] for k in keys)]) for r in rows
+            if r["cache_format"] == "bf16" and tuple(r[k] for k in keys) in ds]
 
 
 def target_lines(rows: list[dict], sizes: Sizes) -> list[str]:
-    """The targets judged from this run's rows: one table line each, "not measured" without points."""
+    """The targets judged from this run's rows, a table line each ("not measured" without points)."""
     lines = ["| target | status | measured |", "|---|---|---|"]
 
-    def judge(target: str, points: list, good, measured) -> None:
-        status = "PASS" if points and good() else ("**MISS**" if points else "not measured")
-        lines.append(f"| {target} | {status} | {measured() if points else '-'} |")
+    def judge(target: str, points: list, good: bool, measured: str) -> None:
+        status = ("PASS" if good else "**MISS**") if points else "not measured"
+        lines.append(f"| {target} | {status} | {measured if points else '-'} |")
 
     memory = _ok(rows, "memory")
+    lowest = min(memory, key=lambda r: r["ceiling_fraction"], default=None)
     judge(f"1. memory-bound: every format >= {MIN_CEILING_FRACTION:.0%} of the copy ceiling", memory,
-          lambda: all(r["ceiling_fraction"] >= MIN_CEILING_FRACTION for r in memory),
-          lambda: "; ".join(f"{f} {_span([r['ceiling_fraction'] for r in memory if r['cache_format'] == f], '{:.0%}')}"
-                            for f in FORMATS if any(r["cache_format"] == f for r in memory))
-          + "; lowest: {name} {ceiling_fraction:.0%}".format(**min(memory, key=lambda r: r["ceiling_fraction"])))
-    ratios = [(bf["op_us"] / ds["op_us"], bf["name"]) for bf, ds in
-              _pairs(memory, lambda r: (r["heads"], r["batch"], r["context"]))]
-    judge(f"1. memory-bound: fp8_ds_mla >= {MIN_DS_MLA_OVER_BF16}x faster than bf16 at the same H, B, context", ratios,
-          lambda: all(x >= MIN_DS_MLA_OVER_BF16 for x, _ in ratios),
-          lambda: f"{_span([x for x, _ in ratios], '{:.2f}x')}; lowest at {min(ratios)[1].replace('memory bf16 ', '')}")
+          all(r["ceiling_fraction"] >= MIN_CEILING_FRACTION for r in memory),
+          "; ".join(f"{f} {_span([r['ceiling_fraction'] for r in memory if r['cache_format'] == f], '{:.0%}')}"
+                    for f in FORMATS if any(r["cache_format"] == f for r in memory))
+          + (f"; lowest: {lowest['name']} {lowest['ceiling_fraction']:.0%}" if lowest else ""))
+    ratios = [(bf["op_us"] / ds["op_us"], f"H={bf['heads']} B={bf['batch']} ctx={bf['context']}")
+              for bf, ds in _pairs(memory, "heads", "batch", "context")]
+    judge(f"1. memory-bound: fp8_ds_mla >= {MIN_DS_MLA_OVER_BF16}x faster than bf16 at the same H, B, context",
+          ratios, all(x >= MIN_DS_MLA_OVER_BF16 for x, _ in ratios),
+          f"{_span([x for x, _ in ratios], '{:.2f}x')}; lowest at {min(ratios)[1]}" if ratios else "")
     b, c = min(sizes.small[0]), min(sizes.small[1])
     small = [r for r in _ok(rows, "small") if r["batch"] == b and r["context"] == c]
     judge(f"2. B = {b}, context {c}, H = {HEADS}: <= {MAX_SMALL_US:g} us", small,
-          lambda: all(r["op_us"] <= MAX_SMALL_US for r in small),
-          lambda: ", ".join(f"{r['cache_format']} {r['op_us']:.2f} us" for r in small))
-    wide = [(r, m) for r in _ok(rows, "wide") for m in rows if m["name"].startswith("matmul")]
+          all(r["op_us"] <= MAX_SMALL_US for r in small),
+          ", ".join(f"{r['cache_format']} {r['op_us']:.2f} us" for r in small))
+    wide = [r for r in _ok(rows, "wide") if r.get("matmul_fraction") is not None]
     h, wb, wc = sizes.wide
-    judge(f"4. H = {h}, bf16, B = {wb}, context {wc}: >= {MIN_MATMUL_FRACTION:.0%} of the dense bf16 matmul rate", wide,
-          lambda: all(r["tflops"] >= MIN_MATMUL_FRACTION * m["tflops"] for r, m in wide),
-          lambda: ", ".join(f"{r['tflops']:.1f} of {m['tflops']:.1f} TFLOP/s ({r['tflops'] / m['tflops']:.0%})"
-                            for r, m in wide))
+    judge(f"4. H = {h}, bf16, B = {wb}, context {wc}: >= {MIN_MATMUL_FRACTION:.0%} of the dense bf16 matmul rate",
+          wide, all(r["matmul_fraction"] >= MIN_MATMUL_FRACTION for r in wide),
+          ", ".join(f"{r['tflops']:.1f} TFLOP/s, {r['matmul_fraction']:.0%} of the matmul's" for r in wide))
+    reference = [r for r in _ok(rows, "reference") if r.get("speedup") is not None]
     for fmt, least in MIN_SPEEDUP.items():
-        mine = [r for r in _ok(rows, "reference") if r["cache_format"] == fmt and r.get("speedup") is not None]
-        judge(f"5. {fmt}: >= {least:g}x faster than the reference at B = {sizes.point[0]}, context {sizes.point[1]}", mine,
-              lambda: all(r["speedup"] >= least for r in mine),
-              lambda: ", ".join(f"{r['speedup']:.1f}x ({r['op_us']:.1f} vs {r['ref_us']:.1f} us)" for r in mine))
+        mine = [r for r in reference if r["cache_format"] == fmt]
+        judge(f"5. {fmt}: >= {least:g}x faster than the reference at B = {sizes.point[0]}, context {sizes.point[1]}",
+              mine, all(r["speedup"] >= least for r in mine),
+              ", ".join(f"{r['speedup']:.1f}x ({r['op_us']:.1f} vs {r['ref_us']:.1f} us)" for r in mine))
     steps = _ok(rows, "layer")
     judge(f"6. layer decode step <= {MAX_LAYER_OVER_FLOOR}x its floor", steps,
-          lambda: all(r["op_us"] <= MAX_LAYER_OVER_FLOOR * r["floor_us"] for r in steps),
-          lambda: ", ".join(f"{r['cache_format']} B={r['batch']} ctx={r['context']} {r['op_us'] / r['floor_us']:.2f}x"
-                            for r in steps))
-    pairs = _pairs(steps, lambda r: (r["batch"], r["context"]))
+          all(r["op_us"] <= MAX_LAYER_OVER_FLOOR * r["floor_us"] for r in steps),
+          ", ".join(f"{r['cache_format']} B={r['batch']} ctx={r['context']}: {r['op_us'] / r['floor_us']:.2f}x"
+                    for r in steps))
+    pairs = _pairs(steps, "batch", "context")
     judge("6. layer: fp8_ds_mla step faster than bf16 at the same B, context", pairs,
-          lambda: all(ds["op_us"] < bf["op_us"] for bf, ds in pairs),
-          lambda: ", ".join(f"B={bf['batch']} ctx={bf['context']}: {ds['op_us']:.1f} vs {bf['op_us']:.1f} us"
-                            for bf, ds in pairs))
+          all(ds["op_us"] < bf["op_us"] for bf, ds in pairs),
+          ", ".join(f"B={bf['batch']} ctx={bf['context']}: {ds['op_us']:.1f} vs {bf['op_us']:.1f} us"
+                    for bf, ds in pairs))
     return lines
 
 
-def _num(x, fmt: str = "{:.2f}") -> str:
-    return "-" if x is None or x == "" else fmt.format(x)
-
-
 def attention_table(rows: list[dict], extra: tuple = ()) -> list[str]:
-    """One line per row; ``extra``: (header, row -> text) columns appended."""
+    """A line per row; ``extra``: (header, row key, format) columns appended."""
     head = ["format", "H", "B", "context", "S_q", "MB moved", "floor us", "op us", "ref us", "speedup",
-            "of ceiling", "kernels op/ref", *(h for h, _ in extra)]
+            "of ceiling", "kernels op/ref", *(h for h, _, _ in extra)]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for r in rows:
-        cells = [r["cache_format"], r["heads"], r["batch"], r["context"], r["q_tokens"], _num(r["bytes"] / 1e6, "{:.1f}"),
+        cells = [r["cache_format"], r["heads"], r["batch"], r["context"], r["q_tokens"], f"{r['bytes'] / 1e6:.1f}",
                  _num(r["floor_us"]), _num(r.get("op_us")), _num(r.get("ref_us")), _num(r.get("speedup"), "{:.1f}x"),
                  _num(r.get("ceiling_fraction"), "{:.0%}"),
-                 f"{_num(r.get('op_kernels'), '{:g}')}/{_num(r.get('ref_kernels'), '{:g}')}", *(fn(r) for _, fn in extra)]
+                 f"{_num(r.get('op_kernels'), '{:g}')}/{_num(r.get('ref_kernels'), '{:g}')}",
+                 *(_num(r.get(key), fmt) for _, key, fmt in extra)]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return lines
 
@@ -403,23 +407,42 @@ def layer_table(rows: list[dict]) -> list[str]:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         over = r["op_us"] / r["floor_us"] if r.get("op_us") is not None else None
-        lines.append(f"| {r['cache_format']} | {r['heads']} | {r['batch']} | {r['context']} | {r['weight_bytes'] / 1e6:.1f}"
-                     f" | {r['bytes'] / 1e6:.1f} | {r['floor_us']:.1f} | {_num(r.get('op_us'), '{:.1f}')}"
-                     f" | {_num(over, '{:.2f}x')} | {_num(r.get('op_kernels'), '{:g}')} |")
+        lines.append(f"| {r['cache_format']} | {r['heads']} | {r['batch']} | {r['context']}"
+                     f" | {r['weight_bytes'] / 1e6:.1f} | {r['bytes'] / 1e6:.1f} | {r['floor_us']:.1f}"
+                     f" | {_num(r.get('op_us'), '{:.1f}')} | {_num(over, '{:.2f}x')}"
+                     f" | {_num(r.get('op_kernels'), '{:g}')} |")
     return lines
 
 
+def section_lines(section: str, rows: list[dict], sizes: Sizes) -> list[str]:
+    if section == "layer":
+        return [f"jax_kimi_mla.layer.decode, hidden {sizes.hidden}, q_lora_rank {Q_LORA_RANK}, jitted with the cache",
+                "donated; floor = weights + each sequence's cache entries + activations, each moved once.", "",
+                *layer_table(rows)]
+    if section == "wide":
+        return attention_table(rows, (("TFLOP/s", "tflops", "{:.1f}"), ("of matmul", "matmul_fraction", "{:.0%}")))
+    if section == "multi":
+        one = {r["cache_format"]: r["op_us"] for r in rows if r["q_tokens"] == 1 and r.get("op_us") is not None}
+        for r in rows:
+            if r.get("op_us") is not None and r["cache_format"] in one:
+                r["over_one_token"] = r["op_us"] / one[r["cache_format"]]
+        return attention_table(rows, (("op / S_q=1", "over_one_token", "{:.2f}x"),))
+    return attention_table(rows)
+
+
 def write_markdown(path: Path, meta: dict, rows: list[dict], sizes: Sizes, plots: dict, skipped: list[str]) -> None:
-    calib = {r["name"]: r for r in rows if r["section"] == "calibration"}
+    calibrations = [r for r in rows if r["section"] == "calibration" and not r["name"].startswith("copy")]
     lines = [
         "# Paged MLA decode attention: FFI op vs jnp reference vs the HBM floor",
         "",
-        f"- date: {meta['date']}; jax {jax.__version__}, jaxlib {jaxlib.__version__}, Python {platform.python_version()}",
+        f"- date: {meta['date']}; jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
+        f"Python {platform.python_version()}",
         f"- device: {meta['device']}",
         f"- time per call: {meta['time_note']}",
-        f"- copy ceiling: {meta['ceiling'] / 1e9:.1f} GB/s (jitted jnp.copy of {sizes.copy_bytes >> 20} MiB, read + write bytes)",
-        *(f"- {name}: {r['op_us']:.2f} us" + (f", {r['tflops']:.1f} TFLOP/s" if r.get("tflops") else "")
-          for name, r in calib.items() if not name.startswith("copy")),
+        f"- copy ceiling: {meta['ceiling'] / 1e9:.1f} GB/s (jitted jnp.copy of {sizes.copy_bytes >> 20} MiB, "
+        "read + write bytes)",
+        *(f"- {r['name']}: {r['op_us']:.2f} us" + (f", {r['tflops']:.1f} TFLOP/s" if r.get("tflops") else "")
+          for r in calibrations),
         "- floor = bytes / copy ceiling; bytes = B * context * cache bytes per token (bf16 1152, fp8 576,",
         "  fp8_ds_mla 656) + q + out; \"of ceiling\" = floor / op time. Block size 64, every sequence at the",
         "  context shown, tables ceil(context / 64) wide of distinct random blocks, normal latents; the plain",
@@ -427,7 +450,8 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], sizes: Sizes, plots
         "",
         "## Targets, from this run",
         "",
-        *([] if meta["device_timed"] else ["Times are not all device times (see above): the judgements are not meaningful.", ""]),
+        *([] if meta["device_timed"] else ["Not all times are device times (see above): the judgements mean nothing.",
+                                           ""]),
         *target_lines(rows, sizes),
         "",
     ]
@@ -436,37 +460,19 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], sizes: Sizes, plots
         if not mine:
             continue
         lines += [f"## {title}", ""]
-        lines += [f"![{name}](plots/{name})" for name in plots.get(section, ())]
         if plots.get(section):
-            lines.append("")
-        errors = [r for r in mine if r["error"]]
-        mine = [r for r in mine if "bytes" in r]  # not those whose inputs could not be built
-        if section == "layer":
-            lines += [f"jax_kimi_mla.layer.decode, hidden {sizes.hidden}, q_lora_rank {Q_LORA_RANK}, jitted with the cache",
-                      "donated; floor = weights + each sequence's cache entries + activations, each moved once.", "",
-                      *layer_table(mine)]
-        elif section == "wide":
-            matmul = next((r for r in rows if r["name"].startswith("matmul")), None)
-            lines += attention_table(mine, (
-                ("TFLOP/s", lambda r: _num(r.get("tflops"), "{:.1f}")),
-                ("of matmul", lambda r: _num(r["tflops"] / matmul["tflops"] if matmul and r.get("tflops") else None, "{:.0%}")),
-            ))
-        elif section == "multi":
-            one = {r["cache_format"]: r["op_us"] for r in mine if r["q_tokens"] == 1 and r.get("op_us") is not None}
-            lines += attention_table(mine, (("op / S_q=1", lambda r: _num(
-                r["op_us"] / one[r["cache_format"]] if r.get("op_us") is not None and r["cache_format"] in one else None,
-                "{:.2f}x")),))
-        else:
-            lines += attention_table(mine)
-        lines += ["", *[f"- {r['name']}: {r['error']}" for r in errors], ""]
+            lines += [*(f"![{name}](plots/{name})" for name in plots[section]), ""]
+        # Rows whose inputs could not be built have no sizes: only their error is listed.
+        lines += section_lines(section, [r for r in mine if "bytes" in r], sizes)
+        lines += ["", *(f"- {r['name']}: {r['error']}" for r in mine if r["error"]), ""]
     if skipped:
-        lines += ["## Not measured (time limit)", "", *[f"- {s}" for s in skipped], ""]
+        lines += ["## Not measured (time limit)", "", *(f"- {s}" for s in skipped), ""]
     path.write_text("\n".join(lines))
 
 
 def write_plots(directory: Path, rows: list[dict], time_label: str) -> dict[str, list[str]]:
-    """Time vs context per format (memory, small sections), fraction of the ceiling vs bytes;
-    returns the file names per section."""
+    """Time vs context per format (memory and small sections, a panel per H, B) and the fraction of
+    the copy ceiling vs bytes moved; returns the file names per section."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -481,8 +487,10 @@ def write_plots(directory: Path, rows: list[dict], time_label: str) -> dict[str,
         if not panels:
             continue
         cols = min(3, len(panels))
-        fig, axes = plt.subplots(math.ceil(len(panels) / cols), cols, figsize=(5 * cols, 3.8 * math.ceil(len(panels) / cols)),
-                                 squeeze=False)
+        grid = math.ceil(len(panels) / cols)
+        height = 3.6 * grid + 0.9  # + one legend for all panels, below them
+        fig, axes = plt.subplots(grid, cols, figsize=(5 * cols, height), squeeze=False)
+        contexts = sorted({r["context"] for r in mine})
         for ax, (h, b) in zip(axes.flat, panels):
             for fmt in FORMATS:
                 pts = sorted((r for r in mine if (r["heads"], r["batch"], r["cache_format"]) == (h, b, fmt)),
@@ -495,16 +503,17 @@ def write_plots(directory: Path, rows: list[dict], time_label: str) -> dict[str,
                 if ref:
                     ax.plot(*zip(*ref), "s--", color=colors[fmt], alpha=0.5, label=f"{fmt} reference")
                 ax.plot(x, [r["floor_us"] for r in pts], ":", color=colors[fmt], label=f"{fmt} floor")
-            contexts = sorted({r["context"] for r in mine})
             ax.set(xscale="log", yscale="log", title=f"H={h}, B={b}", xlabel="context (tokens)",
                    ylabel=f"time per call (us, {time_label})")
             ax.set_xticks(contexts, [f"{c // 1024}k" if c % 1024 == 0 else str(c) for c in contexts])
             ax.set_xticks([], minor=True)
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7)
         for ax in list(axes.flat)[len(panels):]:
             ax.set_visible(False)
-        fig.tight_layout()
+        legend = {label: handle for ax in axes.flat for handle, label in zip(*ax.get_legend_handles_labels())}
+        # Three entries per format (op, reference, floor), filled column by column: a column per format.
+        fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=math.ceil(len(legend) / 3), fontsize=8)
+        fig.tight_layout(rect=(0, 0.7 / height, 1, 1))
         name = f"time_vs_context_{section}.png"
         fig.savefig(directory / name, dpi=110)
         plt.close(fig)
@@ -515,11 +524,11 @@ def write_plots(directory: Path, rows: list[dict], time_label: str) -> dict[str,
         for fmt in FORMATS:
             pts = [r for r in points if r["cache_format"] == fmt]
             if pts:
-                ax.plot([r["bytes"] / 1e6 for r in pts], [100 * r["ceiling_fraction"] for r in pts], "o", color=colors[fmt],
-                        label=fmt, alpha=0.8)
-        ax.axhline(100 * MIN_CEILING_FRACTION, color="k", ls="--", lw=1, label="target")
+                ax.plot([r["bytes"] / 1e6 for r in pts], [100 * r["ceiling_fraction"] for r in pts], "o",
+                        color=colors[fmt], label=fmt, alpha=0.8)
+        ax.axhline(100 * MIN_CEILING_FRACTION, color="k", ls="--", lw=1, label="target (memory-bound)")
         ax.set(xscale="log", xlabel="bytes a call moves (MB)", ylabel="floor / op time (% of copy ceiling)",
-               title="Fraction of the copy ceiling (memory, small, multi)")
+               title="Fraction of the copy ceiling (sections 1-3)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
@@ -529,54 +538,66 @@ def write_plots(directory: Path, rows: list[dict], time_label: str) -> dict[str,
     return plots
 
 
+def _progress_line(row: dict) -> str:
+    parts = [f"{row['name']:48}"]
+    if "floor_us" in row:
+        parts.append(f"floor {row['floor_us']:9.2f} us")
+    if row.get("op_us") is not None:
+        parts.append(f"op {row['op_us']:9.2f} us ({_num(row.get('op_kernels'), '{:g}')} k, "
+                     f"{row['ceiling_fraction']:4.0%} of ceiling)")
+    if row.get("ref_us") is not None:
+        parts.append(f"ref {row['ref_us']:9.2f} us ({_num(row.get('ref_kernels'), '{:g}')} k)")
+    if row.get("time_source"):
+        parts.append(f"[{row['time_source']}]")
+    if row["error"]:
+        parts.append(f"ERROR {row['error']}")
+    return "  ".join(parts)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
-    parser.add_argument("--out", type=Path, help="output directory (default: benchmarks/results/<platform>-attention[-quick])")
-    parser.add_argument("--only", help="comma-separated substrings of case names to run, e.g. memory,layer or 'small fp8_ds_mla'")
+    parser.add_argument("--out", type=Path,
+                        help="output directory (default: benchmarks/results/<platform>-attention[-quick])")
+    parser.add_argument("--only",
+                        help="comma-separated substrings of case names, e.g. memory,layer or 'small fp8_ds_mla'")
     parser.add_argument("--time-limit-s", type=float, default=420.0,
                         help="stop starting new cases after this many seconds; the rest is listed as not measured")
     parser.add_argument("--seed", type=int, default=0)
     opts = parser.parse_args(argv)
 
     started = time.monotonic()
+    if not (hasattr(jax_kimi_mla, "mla_decode_attention") and hasattr(jax_kimi_mla.reference, "mla_decode_attention")):
+        sys.exit(f"jax_kimi_mla ({jax_kimi_mla.__file__}) has no mla_decode_attention (op and reference), which every "
+                 "case runs (layer.decode too): install a build that has it")
     sizes = QUICK if opts.quick else FULL
     wanted = [w for w in (opts.only or "").split(",") if w]
     todo = [c for c in cases(sizes) if not wanted or any(w in c.name for w in wanted)]
-    if any(c.section != "layer" for c in todo) and not (
-            hasattr(jax_kimi_mla, "mla_decode_attention") and hasattr(jax_kimi_mla.reference, "mla_decode_attention")):
-        sys.exit(f"jax_kimi_mla ({jax_kimi_mla.__file__}) has no mla_decode_attention (op and reference): "
-                 "install a build that has it, or run only the layer section (--only layer)")
     device = jax.devices()[0]
     out = opts.out or Path(__file__).parent / "results" / f"{device.platform}-attention{'-quick' if opts.quick else ''}"
     out.mkdir(parents=True, exist_ok=True)
-    print(f"jax {jax.__version__} on {device.device_kind} ({device.platform}); {len(todo)} cases; writing to {out}", flush=True)
+    print(f"jax {jax.__version__} on {device.device_kind} ({device.platform}); {len(todo)} cases; writing to {out}",
+          flush=True)
 
     ceiling, rows = calibration(sizes, any(c.section == "wide" for c in todo))
+    matmul_tflops = next((r["tflops"] for r in rows if r.get("tflops")), None)
     skipped = []
     with open(out / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
         writer.writeheader()
-        for r in rows:
-            writer.writerow({k: r.get(k) for k in FIELDS})
+        writer.writerows(rows)
         for case in todo:
             if time.monotonic() - started > opts.time_limit_s:
                 skipped.append(case.name)
                 continue
             try:
-                row = measure_case(case, sizes, ceiling, opts.seed)
+                row = measure_case(case, sizes, ceiling, matmul_tflops, opts.seed)
             except Exception as e:  # building the inputs failed (out of memory?): record it, go on
                 row = case_row(case) | dict(error=_message(e))
             rows.append(row)
-            writer.writerow({k: row.get(k) for k in FIELDS})
+            writer.writerow(row)
             f.flush()
-            ref = f"  ref {row['ref_us']:10.2f} us ({_num(row.get('ref_kernels'), '{:g}')} k)" if row.get("ref_us") else ""
-            op = (f"op {row['op_us']:10.2f} us ({_num(row.get('op_kernels'), '{:g}')} k, {row['ceiling_fraction']:4.0%} of ceiling)"
-                  if row.get("op_us") is not None else "op -")
-            floor = f"floor {row['floor_us']:10.2f} us  " if "floor_us" in row else ""
-            print(f"{case.name:48} {floor}{op}{ref}"
-                  + (f"  [{row['time_source']}]" if row.get("time_source") else "")
-                  + (f"  ERROR {row['error']}" if row["error"] else ""), flush=True)
+            print(_progress_line(row), flush=True)
 
     measured = [r for r in rows if r["section"] != "calibration"]
     sources = {r["time_source"] for r in rows if r.get("time_source")}

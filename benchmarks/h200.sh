@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything an H200 session runs, in one device call (the device has no network: it builds against
 # its preinstalled jax/jaxlib, nanobind and scikit-build-core):
-#   bash benchmarks/h200.sh [build] [test] [sanitize] [selfcheck] [bench] [bench-quick] [ncu]
+#   bash benchmarks/h200.sh [build] [test] [attn-test] [sanitize] [attn-sanitize] [selfcheck]
+#                           [bench] [bench-quick] [attn-bench] [attn-bench-quick] [ncu]
 # Logs and a tarball of benchmarks/results go to $OUT (or ./h200-out).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -29,6 +30,14 @@ for s in $stages; do
         python3 -P -c "import jax_kimi_mla as m; assert m.HAS_CUDA_MODULE; print(\"CUDA module OK\")"' ;;
     test)
       stage test python3 -P -m pytest -q -rfEs --durations=15 -p no:cacheprovider --continue-on-collection-errors ;;
+    attn-test)
+      # The decode attention on the GPU: the kernel against the reference, and the layer on it.
+      stage attn-test python3 -P -m pytest -q -rfEs -p no:cacheprovider tests/test_decode_attention.py \
+        tests/test_layer.py tests/test_docs.py -k "cuda or layer or docs" ;;
+    attn-sanitize)
+      # Hostile tables and lengths, NaN blocks, every format and split count, under memcheck.
+      stage attn-sanitize compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+        python3 -P -m pytest -q -p no:cacheprovider tests/test_decode_attention.py -k cuda ;;
     sanitize)
       # Hostile slots/positions, T = 0, every op and format, RoPE on and off, on the GPU.
       stage sanitize compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
@@ -42,6 +51,10 @@ for s in $stages; do
     bench-quick)
       stage bench python3 -P benchmarks/bench.py --quick --out "$OUT/results" &&
         tar czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$OUT/results" ;;
+    attn-bench|attn-bench-quick)
+      quick=$([ "$s" = attn-bench-quick ] && echo --quick)
+      stage attn-bench python3 -P benchmarks/bench_attention.py $quick --out "$OUT/attn" &&
+        tar czf "$OUT/attn.tgz" -C "$OUT" attn && rm -rf "$OUT/attn" ;;
     ncu)
       # Nsight Compute counters of the kernel at the sizes that miss issue 4's targets.
       metrics=smsp__issue_active.avg.pct_of_peak_sustained_active,sm__inst_executed.sum,dram__bytes.sum

@@ -1,6 +1,6 @@
 // CPU handler of mla_decode_attention: plain float32 loops over the DecodeAttention rules, one
-// query row at a time, in two passes over its tokens (scores and their maximum, then the
-// weighted sum), so memory stays O(context). The split count only sizes the CUDA kernel's
+// query token (all its heads) at a time, in two passes over its tokens (scores and their
+// maximum, then the weighted sum), so memory stays O(context x heads). The split count only sizes the CUDA kernel's
 // scratch; the CPU result does not depend on it.
 #include <cmath>
 #include <limits>
@@ -27,50 +27,63 @@ void entry_values(const DecodeAttention& a, int64_t cache_row, float v[kEntry]) 
   for (int c = 0; c < kEntry; ++c) v[c] = entry_value(a, entry, c) / inv;
 }
 
-void attend_row(const DecodeAttention& a, int64_t b, int64_t j, int64_t h,
-                std::vector<float>& scores) {
-  const int64_t row = (b * a.q_tokens + j) * a.heads + h;
-  float q[kEntry], k[kEntry];
-  for (int c = 0; c < kEntry; ++c) q[c] = q_value(a, row * kEntry + c);
+// Query token j of sequence b, all heads at once, so that each entry is dequantized once per
+// pass rather than once per head.
+void attend(const DecodeAttention& a, int64_t b, int64_t j, std::vector<float>& q,
+            std::vector<float>& scores, std::vector<float>& out) {
+  const int64_t H = a.heads, first_row = (b * a.q_tokens + j) * H;
+  q.resize(size_t(H * kEntry));
+  for (int64_t i = 0; i < H * kEntry; ++i) q[i] = q_value(a, first_row * kEntry + i);
+  float k[kEntry];
 
-  // Pass 1: the scaled score of every visible token (masked ones: -inf) and their maximum.
+  // Pass 1: the scaled score of every visible token and head (masked tokens: -inf), and each
+  // head's maximum.
   const int64_t visible = a.visible_len(a.context_len(b), j);
-  scores.assign(size_t(visible), -std::numeric_limits<float>::infinity());
-  float max_score = -std::numeric_limits<float>::infinity();
-  bool nan = false;
+  scores.assign(size_t(visible * H), -std::numeric_limits<float>::infinity());
+  std::vector<float> max_score(size_t(H), -std::numeric_limits<float>::infinity());
+  std::vector<bool> nan(size_t(H), false);
   for (int64_t t = 0; t < visible; ++t) {
     const int64_t cache_row = a.token_row(b, t);
     if (cache_row < 0) continue;
     entry_values(a, cache_row, k);
-    float dot = 0.0f;
-    for (int c = 0; c < kEntry; ++c) dot += q[c] * k[c];
-    scores[t] = dot * a.softmax_scale;
-    nan |= std::isnan(scores[t]);
-    max_score = scores[t] > max_score ? scores[t] : max_score;
+    for (int64_t h = 0; h < H; ++h) {
+      float dot = 0.0f;
+      for (int c = 0; c < kEntry; ++c) dot += q[h * kEntry + c] * k[c];
+      const float s = dot * a.softmax_scale;
+      scores[t * H + h] = s;
+      if (std::isnan(s)) nan[h] = true;
+      if (s > max_score[h]) max_score[h] = s;
+    }
   }
 
-  // Pass 2: the softmax-weighted sum of the latents. No visible token: zeros and lse -inf.
-  float out[kLatent] = {};
-  float lse = max_score;
-  if (nan) {
-    lse = std::numeric_limits<float>::quiet_NaN();
-    for (float& o : out) o = lse;
-  } else if (std::isfinite(max_score)) {
-    float total = 0.0f;
-    for (int64_t t = 0; t < visible; ++t) {
-      if (a.token_row(b, t) < 0) continue;
-      entry_values(a, a.token_row(b, t), k);
-      const float p = std::exp(scores[t] - max_score);
-      total += p;
-      for (int c = 0; c < kLatent; ++c) out[c] += p * k[c];
+  // Pass 2: the softmax-weighted sums of the latents. No visible token: zeros and lse -inf.
+  out.assign(size_t(H * kLatent), 0.0f);
+  std::vector<float> total(size_t(H), 0.0f);
+  for (int64_t t = 0; t < visible; ++t) {
+    const int64_t cache_row = a.token_row(b, t);
+    if (cache_row < 0) continue;
+    entry_values(a, cache_row, k);
+    for (int64_t h = 0; h < H; ++h) {
+      if (nan[h] || !std::isfinite(max_score[h])) continue;
+      const float p = std::exp(scores[t * H + h] - max_score[h]);
+      total[h] += p;
+      for (int c = 0; c < kLatent; ++c) out[h * kLatent + c] += p * k[c];
     }
-    for (float& o : out) o /= total;
-    lse = max_score + std::log(total);
   }
-  a.lse[row] = lse;
-  auto* dst = static_cast<uint16_t*>(a.out) + row * kLatent;
-  for (int c = 0; c < kLatent; ++c)
-    dst[c] = a.act == ActType::kBF16 ? f32_to_bf16(out[c]) : f32_to_f16(out[c]);
+  for (int64_t h = 0; h < H; ++h) {
+    float lse = max_score[h];  // -inf when the query sees no token
+    if (nan[h]) {
+      lse = std::numeric_limits<float>::quiet_NaN();
+      for (int c = 0; c < kLatent; ++c) out[h * kLatent + c] = lse;
+    } else if (std::isfinite(max_score[h])) {
+      for (int c = 0; c < kLatent; ++c) out[h * kLatent + c] /= total[h];
+      lse = max_score[h] + std::log(total[h]);
+    }
+    a.lse[first_row + h] = lse;
+    auto* dst = static_cast<uint16_t*>(a.out) + (first_row + h) * kLatent;
+    for (int c = 0; c < kLatent; ++c)
+      dst[c] = a.act == ActType::kBF16 ? f32_to_bf16(out[h * kLatent + c]) : f32_to_f16(out[h * kLatent + c]);
+  }
 }
 
 ffi::Error handler(ffi::AnyBuffer q, ffi::AnyBuffer cache, ffi::AnyBuffer tables,
@@ -84,10 +97,9 @@ ffi::Error handler(ffi::AnyBuffer q, ffi::AnyBuffer cache, ffi::AnyBuffer tables
                                              num_splits, a);
       err.failure())
     return err;
-  std::vector<float> scores;
+  std::vector<float> q_rows, scores, sums;  // reused across query tokens
   for (int64_t b = 0; b < a.batch; ++b)
-    for (int64_t j = 0; j < a.q_tokens; ++j)
-      for (int64_t h = 0; h < a.heads; ++h) attend_row(a, b, j, h, scores);
+    for (int64_t j = 0; j < a.q_tokens; ++j) attend(a, b, j, q_rows, scores, sums);
   return ffi::Error::Success();
 }
 
