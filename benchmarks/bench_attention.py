@@ -51,22 +51,19 @@ import jaxlib
 import numpy as np
 
 import jax_kimi_mla
-from jax_kimi_mla import layer
-from jax_kimi_mla.formats import CACHE_FORMATS, ENTRY, L, R
-from jax_kimi_mla.numerics import ds_mla_encode, quantize_e4m3
+from jax_kimi_mla import _workloads, layer
+from jax_kimi_mla.formats import CACHE_FORMATS, ENTRY, L
 
 # bench.py sits beside this file; python -P does not put the script's folder on sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import COPY_BYTES, QUICK_COPY_BYTES, Timing, copy_ceiling, measure
 
-BLOCK = 64
-SPARE_BLOCKS = 4  # cache blocks beyond those the tables hold
-FILL_CHUNK_BLOCKS = 1024  # the cache is filled this many blocks at a time (bounded scratch memory)
+BLOCK = _workloads.BLOCK_SIZE
 HEADS = 12  # Kimi-K3 heads per GPU at TP8
 Q_LORA_RANK = 1536
 FORMATS = tuple(CACHE_FORMATS)
 TWO_FORMATS = ("bf16", "fp8_ds_mla")
-CACHE_ROW_BYTES = {name: fmt.entry_bytes(jnp.bfloat16) for name, fmt in CACHE_FORMATS.items()}
+CACHE_ROW_BYTES = {name: fmt.entry_bytes() for name, fmt in CACHE_FORMATS.items()}
 SECTIONS = {
     "memory": "1. Memory-bound regime",
     "small": "2. Small batches",
@@ -140,56 +137,13 @@ def cases(s: Sizes) -> list[Case]:
 
 # ---- inputs ----
 
-def paging(batch: int, context: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, int]:
-    """(block_tables int32 [B, ceil(context / 64)] of distinct random blocks, context_lens int32 [B],
-    num_blocks): the blocks the tables hold plus a few, rounded up to whole fill chunks."""
-    width = math.ceil(context / BLOCK)
-    needed = batch * width + SPARE_BLOCKS
-    chunk = min(needed, FILL_CHUNK_BLOCKS)
-    num_blocks = math.ceil(needed / chunk) * chunk
-    tables = rng.permutation(num_blocks)[: batch * width].reshape(batch, width).astype(np.int32)
-    return tables, np.full(batch, context, np.int32), num_blocks
-
-
-@functools.partial(jax.jit, static_argnames=("fmt", "num_blocks"))
-def random_cache(key, fmt: str, num_blocks: int) -> jax.Array:
-    """A paged cache [num_blocks, 64, W] of valid entries of standard normal latents and k_pe,
-    made a chunk of blocks at a time (``jax.lax.map``), so scratch memory stays one chunk's."""
-    chunk = min(num_blocks, FILL_CHUNK_BLOCKS)
-    rows = chunk * BLOCK
-
-    def entries(k):
-        k_latent, k_pe = jax.random.split(k)
-        latent = jax.random.normal(k_latent, (rows, L), jnp.float32)
-        k_pe = jax.random.normal(k_pe, (rows, R), jnp.float32)
-        if fmt == "fp8_ds_mla":
-            return ds_mla_encode(latent, k_pe.astype(jnp.bfloat16))
-        x = jnp.concatenate([latent, k_pe], -1)
-        return quantize_e4m3(x, layer.FP8_SCALE_INV) if fmt == "fp8" else x.astype(jnp.bfloat16)
-
-    return jax.lax.map(entries, jax.random.split(key, num_blocks // chunk)).reshape(num_blocks, BLOCK, -1)
-
-
 def attention_inputs(case: Case, seed: int) -> list:
-    """[mqa_q, kv_cache, block_tables, context_lens, q_scale_inv, cache_scale_inv] (scales None
-    but for plain fp8, whose query is fp8 too)."""
-    tables, lens, num_blocks = paging(case.batch, case.context, np.random.default_rng(seed))
-    k_q, k_cache = jax.random.split(jax.random.key(seed))
-    tokens = (case.q_tokens,) if case.section == "multi" else ()
-    q = jax.random.normal(k_q, (case.batch, *tokens, case.heads, ENTRY), jnp.float32)
-    if case.fmt == "fp8":
-        scale_inv = jnp.float32(layer.FP8_SCALE_INV)
-        q, scales = quantize_e4m3(q, scale_inv), [scale_inv, scale_inv]
-    else:
-        q, scales = q.astype(jnp.bfloat16), [None, None]
-    cache = random_cache(k_cache, case.fmt, num_blocks)
-    return [q, cache, jnp.asarray(tables), jnp.asarray(lens), *scales]
+    return _workloads.attention_inputs(case.fmt, case.batch, case.context, case.heads,
+                                       case.q_tokens if case.section == "multi" else None, seed=seed)
 
 
 def attention_bytes(case: Case) -> int:
-    q_rows = case.batch * case.q_tokens * case.heads
-    return (case.batch * case.context * CACHE_ROW_BYTES[case.fmt]
-            + q_rows * ENTRY * (1 if case.fmt == "fp8" else 2) + q_rows * L * 2)
+    return _workloads.attention_bytes(case.fmt, case.batch, case.context, case.heads, case.q_tokens)
 
 
 def _attention(fn, mqa_q, kv_cache, block_tables, context_lens, q_scale_inv, cache_scale_inv, *,
@@ -215,13 +169,13 @@ def layer_config(case: Case, hidden: int) -> layer.MLAConfig:
 def layer_inputs(case: Case, hidden: int, seed: int) -> list:
     """[params, x, positions, slot_mapping, block_tables, context_lens, kv_cache] of one decode step:
     every sequence's new token is its last (position context - 1), written to its table's slot."""
-    tables, lens, num_blocks = paging(case.batch, case.context, np.random.default_rng(seed))
+    tables, lens, num_blocks = _workloads.paging(case.batch, case.context, np.random.default_rng(seed))
     positions = lens - 1
     slots = (tables[np.arange(case.batch), positions // BLOCK] * BLOCK + positions % BLOCK).astype(np.int32)
     k_params, k_x, k_cache = jax.random.split(jax.random.key(seed), 3)
     params = layer.init_params(k_params, layer_config(case, hidden))
     x = jax.random.normal(k_x, (case.batch, hidden), jnp.float32).astype(jnp.bfloat16)
-    cache = random_cache(k_cache, case.fmt, num_blocks)
+    cache = _workloads.random_cache(k_cache, case.fmt, num_blocks)
     return [params, x, *map(jnp.asarray, (positions, slots, tables, lens)), cache]
 
 

@@ -21,8 +21,11 @@ import traceback
 import jax
 import jax.numpy as jnp
 
+from . import ops, reference
 from ._profile import wall_time_per_call
-from ._workloads import VARIANTS, Variant, fresh_copy, run
+from ._workloads import VARIANTS, Variant, attention_inputs, fresh_copy, run
+from .formats import CACHE_FORMATS
+from .layer import SOFTMAX_SCALE
 from .numerics import ds_mla_dequantize
 
 # (tokens, heads): tokens is the decode batch B or the prefill length T. Kimi-K3 has 96 heads,
@@ -35,6 +38,13 @@ QUICK_SHAPES = {"decode": [(1, 12), (64, 96)], "prefill": [(1024, 12)]}
 # On the CPU backend prefill shapes beyond this many token-heads take too long (the reference
 # materializes float32 copies); they are skipped and listed as skipped.
 CPU_MAX_PREFILL_TOKEN_HEADS = 1024 * 96
+# mla_decode_attention: (B, context, H, S_q) per format; every sequence at the full context.
+ATTENTION_SHAPES = [(1, 4096, 12, 1), (64, 4096, 12, 1), (16, 2048, 12, 2), (8, 1024, 128, 1)]
+QUICK_ATTENTION_SHAPES = [(2, 256, 12, 1), (2, 128, 12, 2)]
+CPU_MAX_ATTENTION_WORK = 2 * 4096 * 12  # B x context x H x S_q beyond this is slow on the CPU
+# Against the float32 reference: the GPU rounds probabilities to bf16 before the weighted sum,
+# the output is bf16 (tests/test_decode_attention.py explains these).
+ATTENTION_OUT_TOLERANCE, ATTENTION_LSE_TOLERANCE = 2.0**-6, 1e-3
 TIMING_BUDGET_S = 0.25  # wall time spent timing each of the op and the reference, per shape
 
 # RoPE'd values may differ from the (CPU) reference by one unit in the last place: XLA may round
@@ -99,12 +109,37 @@ def check_and_time(variant: Variant, tokens: int, heads: int, dtype) -> dict:
     return dict(err=err, ok=ok, ffi_s=_time(ffi_step, ffi_args, variant), ref_s=_time(ref_step, ref_args, variant))
 
 
-def _time(step, args, variant: Variant) -> float:
+def _attention_step(fn, fmt: str):
+    def call(q, cache, tables, lens, q_scale_inv, cache_scale_inv):
+        return fn(q, cache, tables, lens, softmax_scale=SOFTMAX_SCALE, ds_mla=fmt == "fp8_ds_mla",
+                  q_scale_inv=q_scale_inv, cache_scale_inv=cache_scale_inv, return_lse=True)
+
+    return jax.jit(call)
+
+
+def check_and_time_attention(fmt: str, batch: int, context: int, heads: int, q_tokens: int, device) -> dict:
+    """mla_decode_attention on ``device`` against the reference on the CPU, and both timed."""
+    args = attention_inputs(fmt, batch, context, heads, q_tokens if q_tokens > 1 else None)
+    ffi_step, ref_step = _attention_step(ops.mla_decode_attention, fmt), _attention_step(reference.mla_decode_attention, fmt)
+    cpu = jax.devices("cpu")[0]
+    got = jax.device_put(ffi_step(*jax.device_put(args, device)), cpu)
+    with jax.default_device(cpu):
+        want = ref_step(*jax.device_put(args, cpu))
+        (out, lse), (ref_out, ref_lse) = [[x.astype(jnp.float32) for x in pair] for pair in (got, want)]
+        err = float(jnp.maximum(jnp.max(jnp.abs(out - ref_out)), jnp.max(jnp.abs(lse - ref_lse))))
+        ok = bool(jnp.all(jnp.abs(out - ref_out) <= ATTENTION_OUT_TOLERANCE * (1 + jnp.abs(ref_out)))
+                  & jnp.all(jnp.abs(lse - ref_lse) <= ATTENTION_LSE_TOLERANCE))
+    args = jax.device_put(args, device)
+    return dict(err=err, ok=ok, ffi_s=_time(ffi_step, args), ref_s=_time(ref_step, args))
+
+
+def _time(step, args, variant: Variant | None = None) -> float:
+    donated = variant.donated if variant else {}
     start = time.perf_counter()
-    jax.block_until_ready(run(step, args, variant.donated))
+    jax.block_until_ready(run(step, args, donated))
     estimate = time.perf_counter() - start
     calls = max(3, min(100, int(TIMING_BUDGET_S / max(estimate, 1e-6))))
-    return wall_time_per_call(step, args, variant.donated, calls, warmup=1)
+    return wall_time_per_call(step, args, donated, calls, warmup=1)
 
 
 def _fmt_time(seconds: float) -> str:
@@ -154,8 +189,29 @@ def main(argv=None) -> int:
                 err = f"{r['err']:10.3g}" if math.isfinite(r["err"]) else f"{r['err']:>10}"
                 print(f"{row} {err} {'PASS' if r['ok'] else 'FAIL':6} {_fmt_time(r['ffi_s'])} {_fmt_time(r['ref_s'])}"
                       f" {r['ref_s'] / r['ffi_s']:6.1f}x", flush=True)
+        print("\nmla_decode_attention: every sequence at the full context, against the float32 reference")
+        for batch, context, heads, q_tokens in QUICK_ATTENTION_SHAPES if opts.quick else ATTENTION_SHAPES:
+            for fmt in CACHE_FORMATS:
+                shape = f"B={batch} ctx={context} H={heads}" + (f" S_q={q_tokens}" if q_tokens > 1 else "")
+                row = f"{'attend':8} {fmt:10} {'':4} {shape:13}"
+                if on_cpu and batch * context * heads * q_tokens > CPU_MAX_ATTENTION_WORK:
+                    skipped.append(f"mla_decode_attention {fmt} {shape}")
+                    continue
+                try:
+                    r = check_and_time_attention(fmt, batch, context, heads, q_tokens, device)
+                except Exception as e:  # report it and go on
+                    failures += 1
+                    print(f"{row} {'':>10} ERROR  {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                    traceback.print_exc(limit=3, file=sys.stderr)
+                    continue
+                failures += not r["ok"]
+                print(f"{row} {r['err']:10.3g} {'PASS' if r['ok'] else 'FAIL':6} {_fmt_time(r['ffi_s'])} {_fmt_time(r['ref_s'])}"
+                      f" {r['ref_s'] / r['ffi_s']:6.1f}x", flush=True)
     if skipped:
         print(f"\nskipped on CPU (too slow there, run on a GPU): {', '.join(skipped)}")
+    if on_cpu:
+        print("\nOn the CPU the handlers exist for correctness and portability (plain C++ loops, exact"
+              " numerics): their speed against XLA's vectorized jnp says nothing about the GPU kernels.")
     print(f"\n{'all ops agree with the reference' if not failures else f'{failures} FAILED'}")
     return 1 if failures else 0
 

@@ -24,7 +24,9 @@ import numpy as np
 
 from . import ops, reference
 from .formats import EPILOGUES, ENTRY, L, P, R, V, Epilogue
-from .numerics import E4M3_MAX, make_cos_sin_cache
+from .formats import CACHE_FORMATS
+from .layer import FP8_SCALE_INV
+from .numerics import E4M3_MAX, ds_mla_encode, make_cos_sin_cache, quantize_e4m3
 
 MAX_POSITION = 32768
 BLOCK_SIZE = 64  # what FlashMLA's paged cache uses
@@ -247,3 +249,64 @@ def _sentinel_cache(shape, dtype) -> jax.Array:
 VARIANTS: dict[str, Variant] = {
     v.name: v for v in (Variant(e, rope) for e in EPILOGUES.values() for rope in (False, True))
 }
+
+
+# ---- decode attention workloads (the self-check and benchmarks/bench_attention.py) ----
+
+SPARE_BLOCKS = 4  # cache blocks beyond those the tables hold
+FILL_CHUNK_BLOCKS = 1024  # a cache is filled this many blocks at a time (bounded scratch memory)
+
+
+def paging(batch: int, context: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, int]:
+    """(block_tables int32 [B, ceil(context / 64)] of distinct random blocks, context_lens int32 [B]
+    all ``context``, num_blocks): the blocks the tables hold plus a few, in whole fill chunks."""
+    width = math.ceil(context / BLOCK_SIZE)
+    needed = batch * width + SPARE_BLOCKS
+    chunk = min(needed, FILL_CHUNK_BLOCKS)
+    num_blocks = math.ceil(needed / chunk) * chunk
+    tables = rng.permutation(num_blocks)[: batch * width].reshape(batch, width).astype(np.int32)
+    return tables, np.full(batch, context, np.int32), num_blocks
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "num_blocks"))
+def random_cache(key, fmt: str, num_blocks: int) -> jax.Array:
+    """A paged cache [num_blocks, 64, W] of ``fmt`` (a formats.CACHE_FORMATS name) holding valid
+    entries of standard normal latents and k_pe (plain fp8: quantized with the layer's
+    FP8_SCALE_INV), made a chunk of blocks at a time so scratch memory stays one chunk's."""
+    chunk = min(num_blocks, FILL_CHUNK_BLOCKS)
+    rows = chunk * BLOCK_SIZE
+
+    def entries(k):
+        k_latent, k_pe = jax.random.split(k)
+        latent = jax.random.normal(k_latent, (rows, L), jnp.float32)
+        k_pe = jax.random.normal(k_pe, (rows, R), jnp.float32)
+        if fmt == "fp8_ds_mla":
+            return ds_mla_encode(latent, k_pe.astype(jnp.bfloat16))
+        x = jnp.concatenate([latent, k_pe], -1)
+        return quantize_e4m3(x, FP8_SCALE_INV) if fmt == "fp8" else x.astype(jnp.bfloat16)
+
+    return jax.lax.map(entries, jax.random.split(key, num_blocks // chunk)).reshape(num_blocks, BLOCK_SIZE, -1)
+
+
+def attention_inputs(fmt: str, batch: int, context: int, heads: int, q_tokens: int | None = None, *, seed: int = 0) -> list:
+    """[mqa_q, kv_cache, block_tables, context_lens, q_scale_inv, cache_scale_inv] of one
+    mla_decode_attention call: every sequence at ``context`` tokens, a normal query ([B, H, 576],
+    or [B, S_q, H, 576] with ``q_tokens``); plain fp8: an fp8 query and both scales (the layer's
+    FP8_SCALE_INV), else None."""
+    tables, lens, num_blocks = paging(batch, context, np.random.default_rng(seed))
+    k_q, k_cache = jax.random.split(jax.random.key(seed))
+    tokens = () if q_tokens is None else (q_tokens,)
+    q = jax.random.normal(k_q, (batch, *tokens, heads, ENTRY), jnp.float32)
+    if fmt == "fp8":
+        scale_inv = jnp.float32(FP8_SCALE_INV)
+        q, scales = quantize_e4m3(q, scale_inv), [scale_inv, scale_inv]
+    else:
+        q, scales = q.astype(jnp.bfloat16), [None, None]
+    return [q, random_cache(k_cache, fmt, num_blocks), jnp.asarray(tables), jnp.asarray(lens), *scales]
+
+
+def attention_bytes(fmt: str, batch: int, context: int, heads: int, q_tokens: int = 1) -> int:
+    """The least bytes an mla_decode_attention call moves: every cached entry read once, the query
+    read and the output written once."""
+    q_rows = batch * q_tokens * heads
+    return batch * context * CACHE_FORMATS[fmt].entry_bytes() + q_rows * ENTRY * (1 if fmt == "fp8" else 2) + q_rows * L * 2

@@ -146,10 +146,9 @@ def mla_decode_attention(
     """Reference of :func:`jax_kimi_mla.mla_decode_attention`: every table slot's entry gathered
     as float32 [B, max_blocks * block_size, 576], then two einsums (``num_splits`` is ignored).
 
-    A token past its sequence's length, or whose block id is outside [0, num_blocks), is zeroed
-    before the einsums, so garbage and NaN there never reach the result. A NaN among a
-    sequence's tokens can reach every one of its S_q queries (0 * NaN in the weighted sum), as in
-    the CUDA kernel, whose S_q queries share their token tiles.
+    A token that a query does not see (past its visible length, or with a block id outside
+    [0, num_blocks)) is zeroed before that query's einsums, so garbage and NaN there never reach
+    its result.
     """
     c = _checks.decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale, ds_mla, q_scale_inv, cache_scale_inv, num_splits)
     B, S = c.q.shape[:2]
@@ -172,7 +171,12 @@ def mla_decode_attention(
     total = jnp.sum(p, -1, keepdims=True)
     lse = (jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(total))[..., 0]
     p = p / jnp.where(total > 0, total, 1.0)
-    out = jnp.einsum("bsht,btl->bshl", p, entries[..., : _checks.L]).astype(c.out_dtype)
+    latent = entries[..., : _checks.L]
+    if S == 1:
+        out = jnp.einsum("bsht,btl->bshl", p, latent)
+    else:  # the newest tokens are visible to some queries only: 0 * NaN must not reach the others
+        out = jnp.einsum("bsht,bstl->bshl", p, jnp.where(mask[:, :, 0, :, None], latent[:, None], 0.0))
+    out = out.astype(c.out_dtype)
     if c.squeeze:
         out, lse = out[:, 0], lse[:, 0]
     return (out, lse) if return_lse else out

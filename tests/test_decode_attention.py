@@ -180,6 +180,16 @@ def test_nan_inside_the_length_propagates(backend):
     assert np.isfinite(lse[1]).all() and np.isfinite(out[1]).all()
 
 
+@pytest.mark.parametrize("fmt,q_dtype", (("bf16", "bfloat16"), ("fp8_ds_mla", "bfloat16")))
+def test_nan_in_a_new_token_reaches_only_the_queries_that_see_it(backend, fmt, q_dtype):
+    """S_q = 3: the newest token holds NaN; queries 0 and 1 do not see it, query 2 does."""
+    args, kw = make_case(fmt, q_dtype, lens=(40,), q_tokens=3, nan_token=(0, 39))
+    for impl in (jax_kimi_mla, reference):
+        out, lse = run(impl.mla_decode_attention, args, kw, backend if impl is jax_kimi_mla else "cpu")
+        assert np.isfinite(lse[0, :2]).all() and np.isfinite(out[0, :2]).all(), impl.__name__
+        assert np.isnan(lse[0, 2]).all() and np.isnan(out[0, 2]).all(), impl.__name__
+
+
 @pytest.mark.parametrize("shape", ((0, 3, ENTRY), (2, 0, ENTRY), (0, 2, 3, ENTRY)))
 def test_empty_batch_or_heads(backend, shape):
     q = np.zeros(shape, ml_dtypes.bfloat16)

@@ -29,6 +29,14 @@ void entry_values(const DecodeAttention& a, int64_t cache_row, float v[kEntry]) 
 
 // Query token j of sequence b, all heads at once, so that each entry is dequantized once per
 // pass rather than once per head.
+// q . k over 576 columns in 8 interleaved partial sums (a loop the compiler can vectorize).
+float dot576(const float* q, const float* k) {
+  float part[8] = {};
+  for (int c = 0; c < kEntry; c += 8)
+    for (int i = 0; i < 8; ++i) part[i] += q[c + i] * k[c + i];
+  return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+}
+
 void attend(const DecodeAttention& a, int64_t b, int64_t j, std::vector<float>& q,
             std::vector<float>& scores, std::vector<float>& out) {
   const int64_t H = a.heads, first_row = (b * a.q_tokens + j) * H;
@@ -47,9 +55,7 @@ void attend(const DecodeAttention& a, int64_t b, int64_t j, std::vector<float>& 
     if (cache_row < 0) continue;
     entry_values(a, cache_row, k);
     for (int64_t h = 0; h < H; ++h) {
-      float dot = 0.0f;
-      for (int c = 0; c < kEntry; ++c) dot += q[h * kEntry + c] * k[c];
-      const float s = dot * a.softmax_scale;
+      const float s = dot576(&q[h * kEntry], k) * a.softmax_scale;
       scores[t * H + h] = s;
       if (std::isnan(s)) nan[h] = true;
       if (s > max_score[h]) max_score[h] = s;

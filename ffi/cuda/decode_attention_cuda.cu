@@ -3,16 +3,16 @@
 // At most two launches per call, no allocation, no host synchronization, so XLA can capture it
 // in a CUDA graph:
 //
-// 1. attention_kernel, grid (num_splits, ceil(S_q*H / 16), B folded into grid z). A CTA of 4
+// 1. attention_kernel, grid (num_splits, ceil(S_q*H / 16), B folded into grid z). A CTA of 8
 //    warps takes 16 query rows of one sequence (rows past S_q*H are zero padding, never stored)
 //    and the tokens [split_begin, split_end) of its split, in 64-token tiles:
 //    - The 16 x 576 query tile goes to shared memory once, in the MMA element type (bf16, or f16
 //      when q is f16 and the cache is f16 or plain fp8; E4M3 q codes become exact bf16 values).
 //    - Cache rows stream through a double buffer with one 16-byte cp.async per chunk: each token
 //      is addressed through its block id, so any block size works, and tile i + 1 is in flight
-//      while tile i is computed. The block ids of a tile are read two tiles ahead into a small
-//      table in shared memory, off the critical path. A masked or out-of-range token reads
-//      nothing: its shared row is zero-filled and its logits are -inf.
+//      while tile i is computed. The block ids of a tile are read two tiles ahead and kept as
+//      entry addresses in a small table in shared memory, off the critical path. A masked or
+//      out-of-range token reads nothing: its shared row is zero-filled and its logits are -inf.
 //    - A 16-bit cache lands straight in the MMA layout (rows of 1152 + 16 bytes: the 16-byte skew
 //      puts the 8 rows of every ldmatrix in distinct banks). A plain fp8 or fp8_ds_mla cache
 //      lands raw and is then converted into one MMA tile: E4M3 codes become exact bf16/f16
@@ -21,19 +21,23 @@
 //      the power-of-two scales the writer produces), ds_mla k_pe is copied as bf16. The plain fp8
 //      scales never enter the loop: logits are multiplied by
 //      softmax_scale / (q_scale_inv * cache_scale_inv), the output by 1 / cache_scale_inv.
-//    - QK^T: warp w computes the logits of the 16 rows x tokens [16w, 16w + 16) over the 576
+//    - QK^T: warp w computes the logits of the 16 rows x tokens [8w, 8w + 8) over the 576
 //      columns with mma.sync m16n8k16 (ldmatrix for Q, non-transposed ldmatrix for K), float32,
-//      with two accumulators per n-block so the 36-step dependency chain is halved.
+//      in four accumulators so the 36-step dependency chain is cut to 9.
 //    - Online softmax in base 2 (logits pre-multiplied by log2 e, exp2f): the 16 x 64 logits go
 //      through shared memory and every warp computes the same row maxima, probabilities and sums
 //      for all 16 rows (identical operations on identical data, so bit-identical across warps).
-//    - P.V: warp w owns output columns [128w, 128w + 128): O[16 x 128] += P[16 x 64] V[64 x 128],
-//      V being the first 512 columns of the same tile (transposed ldmatrix), P built in registers.
+//    - P.V: warp w owns output columns [64w, 64w + 64): O[16 x 64] += P[16 x 64] V[64 x 64], V
+//      being the first 512 columns of the same tile (transposed ldmatrix), P built in registers.
 //    - End: one split writes out (rounded to the output dtype) and lse directly; several splits
 //      each write their partial (512 normalized floats, then the natural-log lse; -inf and zeros
 //      for a row that saw no token of the split). A CTA whose split starts at or past the length
 //      returns at once (the combine reads only the live splits).
-// 2. combine_kernel (num_splits > 1 only), one warp per (sequence, row): the live splits merged
+//    Why 8 warps and 64-token tiles: shared memory allows one CTA per SM, and with 4 warps (one
+//    per scheduler) the kernel was bound by instruction latency (on an H200 an L2-resident cache
+//    ran no faster than HBM); 8 warps halve each warp's share of the loads, conversion and P.V
+//    (+20%). 4 warps x 32-token tiles at 2 CTAs per SM measured slower at these grid sizes.
+// 2. combine_kernel (num_splits > 1 only), one CTA per (row, sequence): the live splits merged
 //    with weights exp(lse_s - max lse); empty (-inf) splits are skipped and their outputs never
 //    read; a NaN lse makes the row NaN.
 //
@@ -48,8 +52,14 @@
 // 183,040 B. That fits sm_90 (227 KB per block); GPUs with less opt-in shared memory (A100: 163
 // KB) get an error from the launch instead of a wrong answer.
 //
-// Not done yet: the fp8 conversion pass costs about as much issue time as the MMAs and is not
-// overlapped with them; no PDL between the two launches; the split count is the caller's choice.
+// Measured on one H200 (B = 128, H = 16, S_q = 1, 4096 tokens, one split): bf16 cache 216 us =
+// 2.8 TB/s of cache; plain fp8 0.94 TB/s; fp8_ds_mla 1.04 TB/s. All three are still bound by
+// instruction latency, not by memory.
+//
+// Not done yet: the fp8 conversion pass costs more issue time than the MMAs and is not overlapped
+// with them; the phases of a tile (load issue, QK^T, softmax, P.V) are separated by barriers;
+// no PDL between the two launches. The split count is the caller's choice: one CTA per SM, so
+// num_splits * ceil(S_q*H / 16) * B should reach the SM count.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -60,22 +70,23 @@
 namespace jax_kimi_mla {
 namespace {
 
-constexpr int kWarps = 4;
+constexpr int kWarps = 8;
+constexpr int kCtasPerSm = 1;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kTileRows = 16;  // query rows per CTA: the M of mma.m16n8k16
-constexpr int kTileTokens = int(DecodeAttention::kSplitTokens);  // a split is whole tiles
-constexpr int kTokensPerWarp = kTileTokens / kWarps;  // 16: a warp's share of the logits
-constexpr int kColsPerWarp = kLatent / kWarps;        // 128: a warp's share of the output
-constexpr int kOutBlocks = kColsPerWarp / 8;          // 16 n-blocks of 8 output columns
+constexpr int kTileRows = 16;     // query rows per CTA: the M of mma.m16n8k16
+constexpr int kTileTokens = 64;   // tokens per K/V tile
+constexpr int kTokensPerWarp = kTileTokens / kWarps;  // 8: a warp's share of the logits (one n-block)
+constexpr int kColsPerWarp = kLatent / kWarps;        // 64: a warp's share of the output
+constexpr int kOutBlocks = kColsPerWarp / 8;          // 8 n-blocks of 8 output columns
 constexpr int kQkSteps = kEntry / 16;                 // 36 k-steps of QK^T
 constexpr int kPvSteps = kTileTokens / 16;            // 4 k-steps of P.V
 constexpr int kRowBytes = 2 * kEntry + 16;  // a 16-bit tile row in shared memory, skewed by 16 B
 constexpr int kScoreStride = kTileTokens + 8;  // floats per logit row: float2 accesses conflict-free
 constexpr int64_t kMaxGridYZ = 65535;
-constexpr int kCombineWarps = 4;
+constexpr int kCombineWarps = 8;
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
-static_assert(kTileTokens == 64 && kTokensPerWarp == 16, "the warp layout assumes 64-token tiles");
-static_assert(kThreads == 2 * kTileTokens, "the prologue gives one thread to each token of two tiles");
+static_assert(kTokensPerWarp == 8 && kOutBlocks % 2 == 0, "a warp's logits are one n-block");
+static_assert(kThreads >= 2 * kTileTokens, "the prologue gives one thread to each token of two tiles");
 
 // Where everything lives in dynamic shared memory (byte offsets, all multiples of 16).
 template <CacheFormat kFormat>
@@ -89,12 +100,12 @@ struct Layout {
   static constexpr int kRawTileBytes = kTileTokens * kRawRowBytes;
   static constexpr int kQ = 0;                                        // [16][kRowBytes]
   static constexpr int kScores = kQ + kTileRows * kRowBytes;          // float [16][kScoreStride]
-  static constexpr int kTokenRows = kScores + kTileRows * kScoreStride * 4;  // int64 [2][64]
-  static constexpr int kRaw = kTokenRows + 2 * kTileTokens * 8;       // [2][kRawTileBytes]
+  static constexpr int kEntries = kScores + kTileRows * kScoreStride * 4;  // pointers [2][64]
+  static constexpr int kRaw = kEntries + 2 * kTileTokens * 8;       // [2][kRawTileBytes]
   static constexpr int kConverted = kRaw + 2 * kRawTileBytes;         // [64][kRowBytes]
   static constexpr int kBytes = kConverted + (kConverts ? kTileTokens * kRowBytes : 0);
   static_assert(kEntryBytes % 16 == 0 && kRawRowBytes % 16 == 0 && kScores % 16 == 0 &&
-                kTokenRows % 16 == 0 && kRaw % 16 == 0 && kConverted % 16 == 0);
+                kEntries % 16 == 0 && kRaw % 16 == 0 && kConverted % 16 == 0);
 };
 
 __device__ __forceinline__ int64_t min64(int64_t x, int64_t y) { return x < y ? x : y; }
@@ -276,7 +287,8 @@ __device__ void load_q(const DecodeAttention& a, int64_t b, int64_t row0, uint8_
     if (row0 + r < rows) {
       const int64_t elem = (b * rows + row0 + r) * kEntry + chunk * 8;
       if (a.q_type == QType::kE4m3) {
-        v = e4m3x8_exact<kElem>(__ldg(reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(a.q) + elem)));
+        const uint8_t* codes = static_cast<const uint8_t*>(a.q) + elem;
+        v = e4m3x8_exact<kElem>(__ldg(reinterpret_cast<const uint2*>(codes)));
       } else {
         v = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.q) + elem));
         // A bf16 q always meets bf16 elements; an f16 q meets bf16 ones with the ds_mla cache.
@@ -293,26 +305,27 @@ struct Work {
   int64_t b, row0, first, load_end, n_tiles;
 };
 
-// The cache row of token `token` of tile `tile`, or -1: masked, past the loaded range, or no
+// The cache entry of token `token` of tile `tile`, or null: masked, past the loaded range, or no
 // such tile.
-__device__ __forceinline__ int64_t tile_token_row(const DecodeAttention& a, const Work& w,
-                                                  int64_t tile, int token) {
+__device__ __forceinline__ const uint8_t* tile_token_entry(const DecodeAttention& a, const Work& w,
+                                                           int64_t tile, int token) {
   const int64_t t = w.first + tile * kTileTokens + token;
-  return tile < w.n_tiles && t < w.load_end ? a.token_row(w.b, t) : -1;
+  const int64_t row = tile < w.n_tiles && t < w.load_end ? a.token_row(w.b, t) : -1;
+  return row >= 0 ? a.cache + row * a.row_bytes : nullptr;
 }
 
-// Issues the cp.async copies of one tile (cache rows `rows`, -1 = zero-fill) into `raw` as one
-// commit group.
+// Issues the cp.async copies of one tile (cache entries `entries`, null = zero-fill) into `raw`
+// as one commit group.
 template <CacheFormat kFormat>
-__device__ __forceinline__ void load_tile(const DecodeAttention& a, const int64_t* rows, uint8_t* raw) {
+__device__ __forceinline__ void load_tile(const uint8_t* const* entries, uint8_t* raw) {
   using L = Layout<kFormat>;
   constexpr int kChunks = L::kEntryBytes / 16;
   for (int c = threadIdx.x; c < kTileTokens * kChunks; c += kThreads) {
     const int token = c / kChunks, chunk = c - token * kChunks;
     uint8_t* dst = raw + token * L::kRawRowBytes + chunk * 16;
-    const int64_t row = rows[token];
-    if (row >= 0)
-      cp_async16(dst, a.cache + row * a.row_bytes + chunk * 16);
+    const uint8_t* entry = entries[token];
+    if (entry != nullptr)
+      cp_async16(dst, entry + chunk * 16);
     else
       *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
   }
@@ -359,42 +372,40 @@ struct Lane {
   int64_t visible[2];     // tokens seen by rows g and g + 8 of the tile
 };
 
-// Base-2 logits of the 16 rows x this warp's 16 tokens into `scores`; -inf where the token is
+// Base-2 logits of the 16 rows x this warp's 8 tokens into `scores`; -inf where the token is
 // masked or not visible to the row.
 template <ActType kElem>
 __device__ __forceinline__ void qk_logits(const Lane& t, const uint8_t* q_tile, const uint8_t* kv,
-                                          const int64_t* rows, int64_t tile_first, float logit_scale,
-                                          float* scores) {
+                                          const uint8_t* const* entries, int64_t tile_first,
+                                          float logit_scale, float* scores) {
   // A: matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15), in the order a[0..3].
   const uint32_t q_addr =
       smem_addr(q_tile) + ((t.lane & 7) + ((t.lane >> 3) & 1) * 8) * kRowBytes + (t.lane >> 4) * 16;
-  // B: matrices (tokens 0-7, k 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15) of the warp's 16.
-  const uint32_t k_addr = smem_addr(kv) +
-                          (t.warp * kTokensPerWarp + (t.lane >> 4) * 8 + (t.lane & 7)) * kRowBytes +
-                          ((t.lane >> 3) & 1) * 16;
-  float acc[2][2][4] = {};  // [n-block][even/odd k-step][fragment]
+  // B: matrices (the warp's 8 tokens) x (k 0-7, 8-15, 16-23, 24-31): b0, b1 of two k-steps.
+  const uint32_t k_addr =
+      smem_addr(kv) + (t.warp * kTokensPerWarp + (t.lane & 7)) * kRowBytes + (t.lane >> 3) * 16;
+  float acc[4][4] = {};  // four independent accumulation chains, summed at the end
 #pragma unroll
-  for (int k = 0; k < kQkSteps; ++k) {
-    uint32_t qa[4], kb[4];
-    ldmatrix_x4(qa, q_addr + k * 32);
+  for (int k = 0; k < kQkSteps; k += 2) {
+    uint32_t kb[4], qa[2][4];
     ldmatrix_x4(kb, k_addr + k * 32);
-    mma_16816<kElem>(acc[0][k & 1], qa, kb[0], kb[1]);
-    mma_16816<kElem>(acc[1][k & 1], qa, kb[2], kb[3]);
+    ldmatrix_x4(qa[0], q_addr + k * 32);
+    ldmatrix_x4(qa[1], q_addr + (k + 1) * 32);
+    mma_16816<kElem>(acc[k & 3], qa[0], kb[0], kb[1]);
+    mma_16816<kElem>(acc[(k & 3) + 1], qa[1], kb[2], kb[3]);
   }
+  const int token = t.warp * kTokensPerWarp + 2 * t.c;
+  const bool loaded[2] = {entries[token] != nullptr, entries[token + 1] != nullptr};
 #pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    const int token = t.warp * kTokensPerWarp + n * 8 + 2 * t.c;
-    const bool loaded[2] = {rows[token] >= 0, rows[token + 1] >= 0};
+  for (int h = 0; h < 2; ++h) {  // rows g and g + 8
+    float v[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {  // rows g and g + 8
-      float v[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const bool seen = loaded[e] && tile_first + token + e < t.visible[h];
-        v[e] = seen ? (acc[n][0][2 * h + e] + acc[n][1][2 * h + e]) * logit_scale : -INFINITY;
-      }
-      *reinterpret_cast<float2*>(scores + (t.g + 8 * h) * kScoreStride + token) = make_float2(v[0], v[1]);
+    for (int e = 0; e < 2; ++e) {
+      const int i = 2 * h + e;
+      const bool seen = loaded[e] && tile_first + token + e < t.visible[h];
+      v[e] = seen ? ((acc[0][i] + acc[1][i]) + (acc[2][i] + acc[3][i])) * logit_scale : -INFINITY;
     }
+    *reinterpret_cast<float2*>(scores + (t.g + 8 * h) * kScoreStride + token) = make_float2(v[0], v[1]);
   }
 }
 
@@ -468,7 +479,8 @@ __device__ void add_partly_seen(const Lane& t, int lo, int hi, int64_t tile_firs
                                 const float* scores, const float (&offset)[2], uint8_t* kv,
                                 float (&out)[kOutBlocks][4]) {
   for (int token = lo; token < hi; ++token) {
-    const uint16_t* v = reinterpret_cast<const uint16_t*>(kv + token * kRowBytes) + t.warp * kColsPerWarp;
+    const uint16_t* v =
+        reinterpret_cast<const uint16_t*>(kv + token * kRowBytes) + t.warp * kColsPerWarp;
     bool seen[2];
     float p[2];
 #pragma unroll
@@ -489,13 +501,13 @@ __device__ void add_partly_seen(const Lane& t, int lo, int hi, int64_t tile_firs
     }
   }
   __syncwarp();
-  for (int token = lo; token < hi; ++token)  // 128 columns x 2 bytes = 8 bytes a lane
-    *reinterpret_cast<uint2*>(kv + token * kRowBytes + t.warp * kColsPerWarp * 2 + t.lane * 8) =
-        make_uint2(0, 0);
+  for (int token = lo; token < hi; ++token)
+    for (int i = t.lane; i < kColsPerWarp / 2; i += 32)  // 4 bytes each
+      *reinterpret_cast<uint32_t*>(kv + token * kRowBytes + t.warp * kColsPerWarp * 2 + 4 * i) = 0;
   __syncwarp();
 }
 
-// out[16 x this warp's 128 columns] += P[16 x 64] V[64 x 128].
+// out[16 x this warp's 64 columns] += P[16 x 64] V[64 x 64].
 template <ActType kElem>
 __device__ __forceinline__ void pv_accumulate(const Lane& t, const uint32_t (&p)[kPvSteps][4],
                                               const uint8_t* kv, float (&out)[kOutBlocks][4]) {
@@ -582,14 +594,15 @@ __device__ void attend(const DecodeAttention& a, int64_t b, const Scales& scales
 
   uint8_t* q_tile = smem + L::kQ;
   float* scores = reinterpret_cast<float*>(smem + L::kScores);
-  int64_t* token_rows = reinterpret_cast<int64_t*>(smem + L::kTokenRows);  // [tile % 2][token]
+  const uint8_t** entries = reinterpret_cast<const uint8_t**>(smem + L::kEntries);  // [tile % 2][token]
   uint8_t* raw = smem + L::kRaw;
 
   __syncthreads();  // this CTA's previous sequence is done with the shared memory
   load_q<kElem>(a, b, w.row0, q_tile);
-  token_rows[threadIdx.x] = tile_token_row(a, w, threadIdx.x / kTileTokens, threadIdx.x % kTileTokens);
+  if (threadIdx.x < 2 * kTileTokens)
+    entries[threadIdx.x] = tile_token_entry(a, w, threadIdx.x / kTileTokens, threadIdx.x % kTileTokens);
   __syncthreads();
-  if (w.n_tiles > 0) load_tile<kFormat>(a, token_rows, raw);
+  if (w.n_tiles > 0) load_tile<kFormat>(entries, raw);
 
   float out[kOutBlocks][4] = {};
   RowState state;
@@ -598,10 +611,10 @@ __device__ void attend(const DecodeAttention& a, int64_t b, const Scales& scales
     cp_async_wait_all();
     __syncthreads();  // tile has landed, and every warp is done with tile - 1
     if (tile + 1 < w.n_tiles)
-      load_tile<kFormat>(a, token_rows + (slot ^ 1) * kTileTokens, raw + (slot ^ 1) * L::kRawTileBytes);
-    // The cache rows of tile + 2, read now so that their latency hides behind this tile's math.
-    const int64_t row_after_next =
-        threadIdx.x < kTileTokens ? tile_token_row(a, w, tile + 2, int(threadIdx.x)) : -1;
+      load_tile<kFormat>(entries + (slot ^ 1) * kTileTokens, raw + (slot ^ 1) * L::kRawTileBytes);
+    // The entries of tile + 2, looked up now so that their latency hides behind this tile's math.
+    const uint8_t* entry_after_next =
+        threadIdx.x < kTileTokens ? tile_token_entry(a, w, tile + 2, int(threadIdx.x)) : nullptr;
     uint8_t* kv = raw + slot * L::kRawTileBytes;
     if constexpr (L::kConverts) {
       uint8_t* converted = smem + L::kConverted;
@@ -610,14 +623,15 @@ __device__ void attend(const DecodeAttention& a, int64_t b, const Scales& scales
       kv = converted;
     }
     const int64_t tile_first = w.first + tile * kTileTokens;
-    qk_logits<kElem>(t, q_tile, kv, token_rows + slot * kTileTokens, tile_first, scales.logit, scores);
-    __syncthreads();  // the 16 x 64 logits are complete; this slot's rows are no longer read
-    if (threadIdx.x < kTileTokens) token_rows[slot * kTileTokens + threadIdx.x] = row_after_next;
+    qk_logits<kElem>(t, q_tile, kv, entries + slot * kTileTokens, tile_first, scales.logit, scores);
+    __syncthreads();  // the 16 x 64 logits are complete; this slot's entries are no longer read
+    if (threadIdx.x < kTileTokens) entries[slot * kTileTokens + threadIdx.x] = entry_after_next;
 
     uint32_t p[kPvSteps][4];
     float offset[2];
     softmax_tile<kElem>(t, scores, state, out, p, offset);
-    const int64_t partly_lo = max64(seen_by_all, tile_first), partly_hi = min64(seen_by_any, tile_first + kTileTokens);
+    const int64_t partly_lo = max64(seen_by_all, tile_first);
+    const int64_t partly_hi = min64(seen_by_any, tile_first + kTileTokens);
     if (partly_lo < partly_hi)
       add_partly_seen<kElem>(t, int(partly_lo - tile_first), int(partly_hi - tile_first), tile_first,
                              scores, offset, kv, out);
@@ -627,55 +641,70 @@ __device__ void attend(const DecodeAttention& a, int64_t b, const Scales& scales
 }
 
 template <CacheFormat kFormat, ActType kElem>
-__global__ void __launch_bounds__(kThreads, 1) attention_kernel(const DecodeAttention a) {
+__global__ void __launch_bounds__(kThreads, kCtasPerSm) attention_kernel(const DecodeAttention a) {
   extern __shared__ __align__(16) uint8_t smem[];
   const Scales scales = load_scales<kFormat>(a);
   for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) attend<kFormat, kElem>(a, b, scales, smem);
 }
 
-// One warp per (sequence, query row): out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max lse)
-// over the live splits whose lse is not -inf; lse = max + log(sum w_s). A lane owns the column
-// pairs 64k + 2 lane (+1).
+// One CTA per (query row, sequence): out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max lse)
+// over the live splits whose lse is not -inf; lse = max + log(sum w_s). Warp w merges splits w,
+// w + 8, ... (lane: the column pairs 64k + 2 lane); the loop body has no branch, so the loads of
+// several splits are in flight at once; the warps' sums then meet in a fixed order.
 __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const DecodeAttention a) {
-  const int lane = int(threadIdx.x) % 32;
-  const int64_t rows = a.rows();
-  const int64_t r = int64_t(blockIdx.x) * kCombineWarps + threadIdx.x / 32;
-  if (r >= rows) return;  // whole warps: no barrier below
+  __shared__ float warp_acc[kCombineWarps][kLatent];
+  __shared__ float warp_weight[kCombineWarps], warp_max[kCombineWarps];
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const int64_t rows = a.rows(), r = blockIdx.x;
   for (int64_t b = blockIdx.y; b < a.batch; b += gridDim.y) {
     const int live = a.live_splits(a.context_len(b));
     float max_lse = -INFINITY;  // fmaxf skips NaN: a NaN lse propagates through its weight
-    for (int s = lane; s < live; s += 32) max_lse = fmaxf(max_lse, a.partial(s, b, r)[kLatent]);
+    for (int s = int(threadIdx.x); s < live; s += 32 * kCombineWarps)
+      max_lse = fmaxf(max_lse, a.partial(s, b, r)[kLatent]);
     for (int m = 16; m > 0; m /= 2) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xFFFFFFFFu, max_lse, m));
+    __syncthreads();  // the previous sequence is done with the shared sums
+    if (lane == 0) warp_max[warp] = max_lse;
+    __syncthreads();
+    for (int w = 0; w < kCombineWarps; ++w) max_lse = fmaxf(max_lse, warp_max[w]);
     const float shift = max_lse == -INFINITY ? 0.0f : max_lse;
+
     float acc[kLatent / 32] = {};
     float weight_sum = 0.0f;
-    for (int base = 0; base < live; base += 32) {  // 32 splits' lse and weights, one per lane
-      const int mine = base + lane;
-      const float my_lse = mine < live ? a.partial(mine, b, r)[kLatent] : -INFINITY;
-      const float my_weight = expf(my_lse - shift);
-      const int count = live - base < 32 ? live - base : 32;
-      for (int j = 0; j < count; ++j) {
-        const float lse = __shfl_sync(0xFFFFFFFFu, my_lse, j);
-        const float weight = __shfl_sync(0xFFFFFFFFu, my_weight, j);
-        if (lse == -INFINITY) continue;  // an empty split: its outputs are not read
-        const float* o = a.partial(base + j, b, r);
-        weight_sum += weight;
+#pragma unroll 4
+    for (int s = warp; s < live; s += kCombineWarps) {
+      const float* part = a.partial(s, b, r);
+      float o[kLatent / 32];
 #pragma unroll
-        for (int k = 0; k < kLatent / 64; ++k) {
-          acc[2 * k] = fmaf(weight, o[64 * k + 2 * lane], acc[2 * k]);
-          acc[2 * k + 1] = fmaf(weight, o[64 * k + 2 * lane + 1], acc[2 * k + 1]);
-        }
-      }
+      for (int k = 0; k < kLatent / 64; ++k)
+        o[2 * k] = part[64 * k + 2 * lane], o[2 * k + 1] = part[64 * k + 2 * lane + 1];
+      const float lse = part[kLatent];
+      const bool used = lse != -INFINITY;  // an empty split's outputs never enter the sums
+      const float weight = used ? expf(lse - shift) : 0.0f;
+      weight_sum += weight;
+#pragma unroll
+      for (int i = 0; i < kLatent / 32; ++i) acc[i] = used ? fmaf(weight, o[i], acc[i]) : acc[i];
     }
-    const bool empty = weight_sum == 0.0f;  // no live split saw a token (NaN is not empty)
-    const float norm = empty ? 0.0f : 1.0f / weight_sum;
-    uint32_t* out = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(a.out) + (b * rows + r) * kLatent);
 #pragma unroll
     for (int k = 0; k < kLatent / 64; ++k) {
-      const float x0 = acc[2 * k] * norm, x1 = acc[2 * k + 1] * norm;
-      out[32 * k + lane] = a.act == ActType::kBF16 ? bf16x2(x0, x1) : f16x2(x0, x1);
+      warp_acc[warp][64 * k + 2 * lane] = acc[2 * k];
+      warp_acc[warp][64 * k + 2 * lane + 1] = acc[2 * k + 1];
     }
-    if (lane == 0) a.lse[b * rows + r] = empty ? -INFINITY : shift + logf(weight_sum);
+    if (lane == 0) warp_weight[warp] = weight_sum;
+    __syncthreads();
+
+    static_assert(32 * kCombineWarps * 2 == kLatent, "a thread writes one column pair");
+    float total[2] = {0.0f, 0.0f}, total_weight = 0.0f;
+    for (int w = 0; w < kCombineWarps; ++w) {
+      total[0] += warp_acc[w][2 * threadIdx.x], total[1] += warp_acc[w][2 * threadIdx.x + 1];
+      total_weight += warp_weight[w];
+    }
+    const bool empty = total_weight == 0.0f;  // no live split saw a token (NaN is not empty)
+    const float norm = empty ? 0.0f : 1.0f / total_weight;
+    uint32_t* out =
+        reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(a.out) + (b * rows + r) * kLatent);
+    const float x0 = total[0] * norm, x1 = total[1] * norm;
+    out[threadIdx.x] = a.act == ActType::kBF16 ? bf16x2(x0, x1) : f16x2(x0, x1);
+    if (threadIdx.x == 0) a.lse[b * rows + r] = empty ? -INFINITY : shift + logf(total_weight);
   }
 }
 
@@ -692,9 +721,12 @@ ffi::Error launch_attention(cudaStream_t stream, const DecodeAttention& a, dim3 
   const auto kernel = attention_kernel<kFormat, kElem>;
   // Set on every call: the attribute belongs to the current device, and a process may drive
   // several. It is a host-side call (no stream work), so graph capture is unaffected.
-  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
-  if (err != cudaSuccess)
-    return cuda_error(("allowing " + std::to_string(kBytes) + " bytes of shared memory per block").c_str(), err);
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+  if (err != cudaSuccess) {
+    const std::string what = "allowing " + std::to_string(kBytes) + " bytes of shared memory per block";
+    return cuda_error(what.c_str(), err);
+  }
   kernel<<<grid, kThreads, kBytes, stream>>>(a);
   return ffi::Error::Success();
 }
@@ -702,16 +734,18 @@ ffi::Error launch_attention(cudaStream_t stream, const DecodeAttention& a, dim3 
 // The MMA element type: f16 where q is f16 and the cache's values are exact in f16 (an f16 cache,
 // E4M3 codes), bf16 otherwise (ds_mla values and k_pe need bf16's range).
 ActType mma_type(const DecodeAttention& a) {
-  return a.q_type == QType::kF16 && a.cache_format != CacheFormat::kDsMla ? ActType::kF16 : ActType::kBF16;
+  const bool f16 = a.q_type == QType::kF16 && a.cache_format != CacheFormat::kDsMla;
+  return f16 ? ActType::kF16 : ActType::kBF16;
 }
 
 ffi::Error run(cudaStream_t stream, const DecodeAttention& a) {
   const int64_t rows = a.rows();
   const int64_t row_groups = (rows + kTileRows - 1) / kTileRows;
-  const int64_t combine_blocks = (rows + kCombineWarps - 1) / kCombineWarps;
   if (row_groups > kMaxGridYZ)
-    return ffi::Error::InvalidArgument("jax_kimi_mla mla_decode_attention: too many query rows (S_q * H)");
-  const unsigned batch_blocks = unsigned(a.batch < kMaxGridYZ ? a.batch : kMaxGridYZ);  // kernels loop over the rest
+    return ffi::Error::InvalidArgument(
+        "jax_kimi_mla mla_decode_attention: too many query rows (S_q * H)");
+  // Grid z (y for the combine) holds at most 65535 sequences; the kernels loop over the rest.
+  const unsigned batch_blocks = unsigned(a.batch < kMaxGridYZ ? a.batch : kMaxGridYZ);
   const dim3 grid(unsigned(a.num_splits), unsigned(row_groups), batch_blocks);
   const bool f16 = mma_type(a) == ActType::kF16;
   ffi::Error err = ffi::Error::Success();
@@ -730,7 +764,7 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a) {
   }
   if (err.failure()) return err;
   if (a.num_splits > 1)
-    combine_kernel<<<dim3(unsigned(combine_blocks), batch_blocks), 32 * kCombineWarps, 0, stream>>>(a);
+    combine_kernel<<<dim3(unsigned(rows), batch_blocks), 32 * kCombineWarps, 0, stream>>>(a);
   const cudaError_t launch_err = cudaGetLastError();
   return launch_err == cudaSuccess ? ffi::Error::Success() : cuda_error("kernel launch", launch_err);
 }
