@@ -52,7 +52,7 @@ void run(const Plan& plan) {
   const Epilogue& e = plan.e;
   for (int64_t t = 0; t < e.tokens; ++t) {
     const int64_t row = e.cache_row(t);
-    if (row >= 0 && e.cache_format == CacheFormat::kDsMla) {
+    if (row >= 0 && e.cache_format == CacheFormat::kFp8DsMla) {
       write_ds_mla_entry(e, t, row);
     } else if (row >= 0) {
       emit_row(e, e.cache, t, 0, row);

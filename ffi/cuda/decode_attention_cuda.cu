@@ -91,8 +91,8 @@ static_assert(kThreads >= 2 * kTileTokens, "the prologue gives one thread to eac
 // Where everything lives in dynamic shared memory (byte offsets, all multiples of 16).
 template <CacheFormat kFormat>
 struct Layout {
-  static constexpr bool kConverts = kFormat != CacheFormat::kAct;
-  static constexpr int kEntryBytes = kFormat == CacheFormat::kAct   ? 2 * kEntry
+  static constexpr bool kConverts = kFormat != CacheFormat::kBf16;
+  static constexpr int kEntryBytes = kFormat == CacheFormat::kBf16   ? 2 * kEntry
                                      : kFormat == CacheFormat::kFp8 ? kEntry
                                                                     : kDsMlaEntryBytes;
   // A 16-bit cache row lands in the MMA layout itself; the fp8 formats land packed.
@@ -344,7 +344,7 @@ __device__ __forceinline__ void convert_tile(const uint8_t* raw, uint8_t* tile) 
       *reinterpret_cast<uint4*>(tile + token * kRowBytes + group * 16) = e4m3x8_exact<kElem>(codes);
     }
   } else {
-    static_assert(kFormat == CacheFormat::kDsMla && kElem == ActType::kBF16);
+    static_assert(kFormat == CacheFormat::kFp8DsMla && kElem == ActType::kBF16);
     constexpr int kGroups = kLatent / 8;
     for (int c = threadIdx.x; c < kTileTokens * kGroups; c += kThreads) {
       const int token = c / kGroups, group = c - token * kGroups;
@@ -734,7 +734,7 @@ ffi::Error launch_attention(cudaStream_t stream, const DecodeAttention& a, dim3 
 // The MMA element type: f16 where q is f16 and the cache's values are exact in f16 (an f16 cache,
 // E4M3 codes), bf16 otherwise (ds_mla values and k_pe need bf16's range).
 ActType mma_type(const DecodeAttention& a) {
-  const bool f16 = a.q_type == QType::kF16 && a.cache_format != CacheFormat::kDsMla;
+  const bool f16 = a.q_type == QType::kF16 && a.cache_format != CacheFormat::kFp8DsMla;
   return f16 ? ActType::kF16 : ActType::kBF16;
 }
 
@@ -750,16 +750,16 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a) {
   const bool f16 = mma_type(a) == ActType::kF16;
   ffi::Error err = ffi::Error::Success();
   switch (a.cache_format) {
-    case CacheFormat::kAct:
-      err = f16 ? launch_attention<CacheFormat::kAct, ActType::kF16>(stream, a, grid)
-                : launch_attention<CacheFormat::kAct, ActType::kBF16>(stream, a, grid);
+    case CacheFormat::kBf16:
+      err = f16 ? launch_attention<CacheFormat::kBf16, ActType::kF16>(stream, a, grid)
+                : launch_attention<CacheFormat::kBf16, ActType::kBF16>(stream, a, grid);
       break;
     case CacheFormat::kFp8:
       err = f16 ? launch_attention<CacheFormat::kFp8, ActType::kF16>(stream, a, grid)
                 : launch_attention<CacheFormat::kFp8, ActType::kBF16>(stream, a, grid);
       break;
-    case CacheFormat::kDsMla:
-      err = launch_attention<CacheFormat::kDsMla, ActType::kBF16>(stream, a, grid);
+    case CacheFormat::kFp8DsMla:
+      err = launch_attention<CacheFormat::kFp8DsMla, ActType::kBF16>(stream, a, grid);
       break;
   }
   if (err.failure()) return err;

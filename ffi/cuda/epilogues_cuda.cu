@@ -63,7 +63,7 @@ __device__ __forceinline__ Lane locate(const Epilogue& e, int64_t t, int64_t slo
     l.pe = lane - kLatent / kChunk;
     if (shape.cache == CacheFormat::kFp8) l.scale_inv = e.cache.scale_inv;
     if (slot_row >= 0)
-      l.dst = shape.cache == CacheFormat::kDsMla ? static_cast<void*>(ds_mla_entry(e, slot_row))
+      l.dst = shape.cache == CacheFormat::kFp8DsMla ? static_cast<void*>(ds_mla_entry(e, slot_row))
                                                  : chunk_dst(e.cache, slot_row, 0, lane);
     return l;
   }
@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kMaxThreads) epilogue_kernel(const Epilogue e,
     const Lane& l = lanes[k];
     if (l.src == nullptr) continue;
     const float* rotate_by = kRopeOn && l.pe >= 0 ? rope_row : nullptr;
-    if (shape.cache == CacheFormat::kDsMla && l.in_cache) {
+    if (shape.cache == CacheFormat::kFp8DsMla && l.in_cache) {
       auto* entry = static_cast<uint8_t*>(l.dst);
       if (l.pe >= 0) {
         const Raw16 out = finish_ds_mla_pe(kAct, raw[k], rotate_by, l.pe);

@@ -19,7 +19,7 @@ inline constexpr int kMaxQueryTokens = 4;          // S_q: new tokens per sequen
 
 struct DecodeAttention {
   QType q_type = QType::kBF16;
-  CacheFormat cache_format = CacheFormat::kAct;
+  CacheFormat cache_format = CacheFormat::kBf16;
   ActType act = ActType::kBF16;  // the output dtype (bf16 when q is fp8)
   int64_t batch = 0, q_tokens = 0, heads = 0;  // B, S_q, H
   const void* q = nullptr;  // [B * S_q, H, 576]: query j of sequence b is row b * S_q + j
@@ -104,7 +104,7 @@ JKM_HD float e4m3_to_f32(uint8_t code) {
 // codes: the caller divides by cache_scale_inv.
 JKM_HD float entry_value(const DecodeAttention& a, const uint8_t* entry, int i) {
   switch (a.cache_format) {
-    case CacheFormat::kDsMla: {
+    case CacheFormat::kFp8DsMla: {
       if (i >= kLatent) {
         uint16_t h;
         memcpy(&h, entry + kDsMlaPeOffset + 2 * (i - kLatent), 2);
@@ -115,7 +115,7 @@ JKM_HD float entry_value(const DecodeAttention& a, const uint8_t* entry, int i) 
       return e4m3_to_f32(entry[i]) * s;
     }
     case CacheFormat::kFp8: return e4m3_to_f32(entry[i]);
-    case CacheFormat::kAct: {
+    case CacheFormat::kBf16: {
       uint16_t h;
       memcpy(&h, entry + 2 * i, 2);
       return a.act == ActType::kBF16 ? bf16_to_f32(h) : f16_to_f32(h);
@@ -162,12 +162,12 @@ inline ffi::Error make_decode_attention(ffi::AnyBuffer q, ffi::AnyBuffer cache,
   if (cd.size() != 3) return fail("kv_cache must be [num_blocks, block_size, width]");
   int64_t entry_bytes = 2 * kEntry, item = 2;
   switch (cache.element_type()) {
-    case T::U8: a.cache_format = CacheFormat::kDsMla, entry_bytes = kDsMlaEntryBytes, item = 1; break;
+    case T::U8: a.cache_format = CacheFormat::kFp8DsMla, entry_bytes = kDsMlaEntryBytes, item = 1; break;
     case T::F8E4M3FN: a.cache_format = CacheFormat::kFp8, entry_bytes = kEntry, item = 1; break;
     default:
       if (cache.element_type() != q.element_type())
         return fail("a bf16/fp16 kv_cache must have the dtype of q");
-      a.cache_format = CacheFormat::kAct;
+      a.cache_format = CacheFormat::kBf16;
   }
   a.num_blocks = cd[0], a.block_size = cd[1], a.row_bytes = cd[2] * item;
   if (a.row_bytes < entry_bytes || a.row_bytes % 16 != 0)

@@ -8,7 +8,9 @@
 namespace jax_kimi_mla {
 
 enum class ActType : uint8_t { kBF16, kF16 };
-enum class CacheFormat : uint8_t { kAct, kFp8, kDsMla };
+// The cache formats, named as in Python (jax_kimi_mla.formats): "bf16" (the activation dtype, bf16
+// or fp16), "fp8" (E4M3, per-tensor scale), "fp8_ds_mla" (656-byte block-scaled entries).
+enum class CacheFormat : uint8_t { kBf16, kFp8, kFp8DsMla };
 
 inline constexpr int kChunk = 8;                     // elements per chunk: 16 bytes of bf16/fp16
 inline constexpr int kRopeChunks = kRope / kChunk;   // 8
@@ -36,7 +38,7 @@ struct Epilogue {
   int64_t tokens = 0, heads = 0;
   // The cache entry of token t goes to row slot_mapping[t] (out_t: the entry's stride).
   RowSpec cache;
-  CacheFormat cache_format = CacheFormat::kAct;
+  CacheFormat cache_format = CacheFormat::kBf16;
   int64_t cache_rows = 0;  // num_blocks * block_size
   RowSpec head_rows[3];
   int num_head_rows = 0;
@@ -47,11 +49,6 @@ struct Epilogue {
   const float* cos_sin = nullptr;  // [max_position, 64]; null when RoPE is off
   int64_t max_position = 0;
 
-  JKM_HD int head_chunks() const {
-    int n = 0;
-    for (int r = 0; r < num_head_rows; ++r) n += head_rows[r].chunks();
-    return n;
-  }
   // The cos/sin row of token t, or null without RoPE.
   JKM_HD const float* rope_row(int64_t t) const {
     if (cos_sin == nullptr) return nullptr;

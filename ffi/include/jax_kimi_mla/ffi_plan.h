@@ -39,7 +39,7 @@ struct RowShape {
 };
 
 struct OpShape {
-  CacheFormat cache = CacheFormat::kAct;
+  CacheFormat cache = CacheFormat::kBf16;
   int num_rows = 0;
   RowShape rows[3] = {};
   JKM_HD constexpr int head_chunks() const {
@@ -56,17 +56,17 @@ JKM_HD constexpr OpShape op_shape(Op op, bool rope) {
   switch (op) {
     case Op::prefill_kv_cache:
     case Op::prefill_ds_mla: {
-      const CacheFormat f = op == Op::prefill_ds_mla ? CacheFormat::kDsMla : CacheFormat::kAct;
+      const CacheFormat f = op == Op::prefill_ds_mla ? CacheFormat::kFp8DsMla : CacheFormat::kBf16;
       return rope ? OpShape{f, 2, {k, q_pe}} : OpShape{f, 1, {k}};
     }
     case Op::prefill_fp8:  // q, k, v
       return OpShape{CacheFormat::kFp8, 3,
                      {{kNope / kChunk, kRopeChunks, true}, {kNope / kChunk, kRopeChunks, true},
                       {kVHead / kChunk, 0, true}}};
-    case Op::decode_kv_cache: return OpShape{CacheFormat::kAct, 1, {mqa_q}};
+    case Op::decode_kv_cache: return OpShape{CacheFormat::kBf16, 1, {mqa_q}};
     case Op::decode_fp8:
       return OpShape{CacheFormat::kFp8, 1, {{kLatent / kChunk, kRopeChunks, true}}};
-    case Op::decode_ds_mla: return OpShape{CacheFormat::kDsMla, 1, {mqa_q}};
+    case Op::decode_ds_mla: return OpShape{CacheFormat::kFp8DsMla, 1, {mqa_q}};
   }
   return {};
 }
@@ -185,7 +185,7 @@ inline ffi::Error make_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets r
               "scale_inv arguments must be float32 with one element");
 
   const OpShape shape = op_shape(op, rope);
-  const ffi::DataType cache_type = shape.cache == CacheFormat::kDsMla ? ffi::DataType::U8
+  const ffi::DataType cache_type = shape.cache == CacheFormat::kFp8DsMla ? ffi::DataType::U8
                                    : shape.cache == CacheFormat::kFp8 ? ffi::DataType::F8E4M3FN
                                                                       : act;
   const int64_t entry = cache_type == ffi::DataType::U8 ? kDsMlaEntryBytes : kEntry;
