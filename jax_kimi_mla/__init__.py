@@ -1,6 +1,8 @@
 """Kimi-K3 MLA for JAX: the fused prefill/decode epilogues and the paged decode attention that reads
 their cache back, as XLA FFI custom calls (CPU and CUDA)."""
 
+__version__ = "0.2.0"
+
 from . import debug, layer, reference, sharding
 from ._checks import columns
 from ._ffi import ABI_VERSION, HAS_CUDA_MODULE
@@ -14,6 +16,7 @@ from .ops import (
 )
 
 __all__ = [
+    "__version__",
     "ABI_VERSION",
     "debug",
     "HAS_CUDA_MODULE",

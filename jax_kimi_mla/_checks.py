@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .formats import CACHE_FORMATS, DS_MLA_ENTRY_BYTES, ENTRY, L, P, R, V, CacheFormat  # noqa: F401 (re-exported)
+from .formats import CACHE_FORMATS, DS_MLA_ENTRY_BYTES, ENTRY, CacheFormat, L, P, R, V  # noqa: F401 (re-exported)
 
 ACT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 INDEX_DTYPES = (jnp.dtype(jnp.int32), jnp.dtype(jnp.int64))
@@ -61,6 +61,8 @@ class Checked:
 def as_array(name: str, x):
     if x is None:
         raise TypeError(f"{name} is required, got None")
+    if isinstance(x, Columns):
+        raise ValueError(f"{name} does not accept columns(...): only {', '.join(COLUMN_WIDTHS)} do; pass {name} itself")
     if isinstance(x, (jax.Array, np.ndarray)) or hasattr(x, "aval"):
         return x
     try:
@@ -114,7 +116,7 @@ class _Checker:
             )
 
     def activation(self, name: str, x, tail: tuple, what: str, per_head: bool):
-        if isinstance(x, Columns):
+        if isinstance(x, Columns) and name in COLUMN_WIDTHS:
             return self._columns(name, x, tail, what, per_head)
         x = as_array(name, x)
         if jnp.dtype(x.dtype) != self.act:

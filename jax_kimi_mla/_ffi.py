@@ -12,8 +12,18 @@ from __future__ import annotations
 
 import jax
 
-from . import _cpu
+from .formats import EPILOGUES, READERS
 from .formats import FFI_TARGETS as OPS
+
+try:
+    from . import _cpu
+except ImportError as e:  # the source tree without its compiled modules, most likely
+    raise ImportError(
+        f"jax_kimi_mla's compiled module _cpu was not found next to {__file__}. Importing the source tree"
+        " needs an editable install that builds it (pip install -e .); to use an installed package"
+        " instead, run Python with -P (or from another folder) so that the source folder does not"
+        " shadow it."
+    ) from e
 
 ABI_VERSION = 1
 
@@ -40,14 +50,33 @@ else:
 HAS_CUDA_MODULE = _cuda is not None
 
 
+# The public function of each target, for messages.
+PUBLIC_NAMES = {e.target: e.op for e in EPILOGUES.values()} | {r: r for r in READERS}
+
+
 def call(op: str, inputs, result_shapes, aliases: dict[int, int], attrs: dict):
-    """Runs one epilogue target. ``aliases`` maps input index -> output index (in place);
-    ``attrs`` are the int64 column attributes."""
-    outputs = jax.ffi.ffi_call(
+    """Runs one FFI target. ``aliases`` maps input index -> output index (in place); ``attrs``
+    are its attributes, typed as the handler binds them."""
+    target = jax.ffi.ffi_call(
         target_name(op),
         result_shapes,
         input_output_aliases=aliases,
         # Each batch element is an independent call on its own cache: a loop is always correct.
         vmap_method="sequential",
-    )(*inputs, **attrs)
-    return tuple(outputs)
+    )
+
+    # The ops are inference-only: differentiating one says so at trace time, instead of jax's
+    # generic "cannot differentiate" from inside the custom call.
+    @jax.custom_jvp
+    def run(*args):
+        return tuple(target(*args, **attrs))
+
+    @run.defjvp
+    def _no_derivative(primals, tangents):
+        name = PUBLIC_NAMES[op]
+        raise TypeError(
+            f"jax_kimi_mla.{name} is inference-only and has no derivative; differentiate"
+            f" jax_kimi_mla.reference.{name} (the same op in jax.numpy) instead"
+        )
+
+    return run(*inputs)

@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from . import ops, reference
-from .formats import EPILOGUES, ENTRY, L, P, R, V, Epilogue
-from .formats import CACHE_FORMATS
+from .formats import CACHE_FORMATS, ENTRY, EPILOGUES, Epilogue, L, P, R, V
 from .layer import FP8_SCALE_INV
 from .numerics import E4M3_MAX, ds_mla_encode, make_cos_sin_cache, quantize_e4m3
 

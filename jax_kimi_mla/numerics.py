@@ -25,6 +25,9 @@ def make_cos_sin_cache(max_position: int, *, base: float = 10000.0, rope_dim: in
     >>> make_cos_sin_cache(4096).shape
     (4096, 64)
     """
+    for name, value in (("max_position", max_position), ("rope_dim", rope_dim)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an int, got {value!r}")
     if max_position < 1 or rope_dim % 2:
         raise ValueError(f"need max_position >= 1 and an even rope_dim, got max_position={max_position}, rope_dim={rope_dim}")
     inv_freq = 1.0 / (base ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))

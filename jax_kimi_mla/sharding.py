@@ -76,6 +76,8 @@ def _output_specs(num_outputs: int, head_axis, token_axis):
 
 
 def _axis_size(mesh, axis) -> int:
+    if axis is not None and axis not in mesh.shape:
+        raise ValueError(f"mesh axis {axis!r} is not in the mesh, whose axes are {tuple(mesh.shape)}")
     return 1 if axis is None else mesh.shape[axis]
 
 
@@ -103,6 +105,8 @@ def shard(op, mesh, *, head_axis=None, token_axis=None):
     """
     signature = inspect.signature(op)
     specs = input_specs(op, head_axis=head_axis, token_axis=token_axis)
+    for axis in (head_axis, token_axis):
+        _axis_size(mesh, axis)  # an unknown axis name fails here, before any call
 
     @functools.wraps(op)
     def sharded(*args, **kwargs):

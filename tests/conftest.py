@@ -4,7 +4,6 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import pytest  # noqa: E402
-
 from _util import gpu_available  # noqa: E402 (imports jax)
 
 NO_GPU = "needs a GPU and the jax_kimi_mla CUDA module"

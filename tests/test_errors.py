@@ -3,13 +3,19 @@ TypeError that names the offending argument; the FFI op and the reference fail i
 
 import functools
 import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
+from _util import FORMATS, Case, invoke, make_case
 
 import jax_kimi_mla
-from _util import FORMATS, Case, invoke, make_case
+from jax_kimi_mla import reference, sharding
 
 FIRST = {fmt: "q" if fmt.startswith("prefill") else "ql_nope" for fmt in FORMATS}
 
@@ -178,3 +184,46 @@ def test_eager_call_raises_the_same():
     with pytest.raises(TypeError, match="slot_mapping") as eager:
         invoke(jax_kimi_mla, "decode_bf16", a)
     assert str(eager.value) == str(trace_error(jax_kimi_mla, "decode_bf16", a))
+
+
+# ---- errors beyond single calls (docs/ERRORS.md, "Beyond single calls") ----
+
+
+def test_gradient_through_an_op_names_the_reference():
+    q = np.zeros((2, 3, 576), ml_dtypes.bfloat16)
+    cache = np.zeros((4, 2, 576), ml_dtypes.bfloat16)
+    tables, lens = np.zeros((2, 2), np.int32), np.ones(2, np.int32)
+
+    def loss(impl, q):
+        return impl.mla_decode_attention(q, cache, tables, lens, softmax_scale=0.1).astype(np.float32).sum()
+
+    with pytest.raises(TypeError) as e:
+        jax.grad(functools.partial(loss, jax_kimi_mla))(q)
+    assert str(e.value) == (
+        "jax_kimi_mla.mla_decode_attention is inference-only and has no derivative; differentiate"
+        " jax_kimi_mla.reference.mla_decode_attention (the same op in jax.numpy) instead"
+    )
+    assert jax.grad(functools.partial(loss, reference))(q).shape == q.shape
+
+
+def test_epilogue_gradient_error_names_the_public_op():
+    a = base("decode_bf16")
+    with pytest.raises(TypeError, match="jax_kimi_mla.fused_mla_decode_q_concat_kv_cache_insert is inference-only"):
+        jax.grad(lambda x: invoke(jax_kimi_mla, "decode_bf16", dict(a, ql_nope=x))[0].astype(np.float32).sum())(a["ql_nope"])
+
+
+def test_unknown_mesh_axis_is_named():
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("tp",))
+    with pytest.raises(ValueError) as e:
+        sharding.tensor_parallel(jax_kimi_mla.fused_mla_decode_q_concat_kv_cache_insert, mesh, "x")
+    assert str(e.value) == "mesh axis 'x' is not in the mesh, whose axes are ('tp',)"
+
+
+def test_importing_the_source_tree_without_its_compiled_modules_says_what_to_do(tmp_path):
+    """The package's Python files alone (no _cpu module): the ImportError says how to fix it.
+    (Imported under another name: an editable install's import hook would find the real one.)"""
+    package = Path(jax_kimi_mla.__file__).parent
+    shutil.copytree(package, tmp_path / "source_tree_copy", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    result = subprocess.run([sys.executable, "-c", "import source_tree_copy"], cwd=tmp_path, capture_output=True, text=True, check=False)
+    assert result.returncode != 0
+    assert "compiled module _cpu was not found" in result.stderr and "pip install -e ." in result.stderr and "-P" in result.stderr

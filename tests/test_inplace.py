@@ -10,8 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jax_kimi_mla
 from _util import (
     OUTPUTS,
     Case,
@@ -28,7 +26,10 @@ from _util import (
     split_args,
     to_numpy,
 )
+
+import jax_kimi_mla
 from jax_kimi_mla.formats import EPILOGUES
+
 
 def op_of(fmt):
     """The public op of ``fmt``, its target selected: a function of positional(fmt) plus keyword
@@ -52,7 +53,7 @@ def aliased_param(hlo: str, output: int):
     m = re.search(r"input_output_alias=\{(.*?)\}\s*,\s*entry_computation_layout", hlo)
     if m is None:
         return None
-    hit = re.search(r"\{%d\}:\s*\((\d+),\s*\{\}" % output, m.group(1))
+    hit = re.search(rf"\{{{output}\}}:\s*\((\d+),\s*\{{\}}", m.group(1))
     return None if hit is None else int(hit.group(1))
 
 
@@ -60,7 +61,7 @@ def copies_of(hlo: str, shape: tuple) -> list:
     """Copy instructions producing an array of this shape (an aliased buffer must not be copied)."""
     dims = ",".join(map(str, shape))
     entry = hlo[hlo.index("\nENTRY"):]  # a copy inside a fusion body is part of computing a value
-    return [line for line in entry.splitlines() if re.search(r"\[%s\]\{[^}]*\} copy(-start)?\(" % dims, line)]
+    return [line for line in entry.splitlines() if re.search(rf"\[{dims}\]\{{[^}}]*\}} copy(-start)?\(", line)]
 
 
 def owned(x):

@@ -60,7 +60,7 @@ def reference(params, xs, cos_sin_cache, *, config, num_layers):
         return jax.vmap(functools.partial(one, params))(xs)
     h = xs.astype(jnp.float32)
     for i in range(num_layers):
-        h = h + jax.vmap(functools.partial(one, jax.tree.map(lambda a: a[i], params)))(h)
+        h = h + jax.vmap(functools.partial(one, jax.tree.map(lambda a, i=i: a[i], params)))(h)
     return h
 
 

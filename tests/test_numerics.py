@@ -4,17 +4,15 @@ against ml_dtypes, the fp8_ds_mla tile scale at its boundaries, dequantization, 
 import jax
 import numpy as np
 import pytest
-
-import jax_kimi_mla
 from _util import (
     ACT,
     BF16,
     DS_MLA_BYTES,
     DS_MLA_PE,
     FP8,
+    Case,
     L,
     R,
-    Case,
     assert_bits_equal,
     assert_equal_nan_aware,
     check_untouched_rows,
@@ -26,6 +24,8 @@ from _util import (
     put,
     to_numpy,
 )
+
+import jax_kimi_mla
 
 SCALE_INVS = [1.0, 0.5, 3.7, 1 / 448, 1e3]
 

@@ -6,8 +6,6 @@ import functools
 import jax
 import numpy as np
 import pytest
-
-import jax_kimi_mla
 from _util import (
     FORMATS,
     OUTPUTS,
@@ -28,6 +26,8 @@ from _util import (
     to_numpy,
     x64_if,
 )
+
+import jax_kimi_mla
 
 # A covering set instead of the full product: with each format, every value of every axis
 # (T, H, dtype, index dtype, RoPE, k_pe rank, jit/eager, scale shape) appears at least once, and

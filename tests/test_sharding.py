@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _util import ACT, FORMATS, Case, bits, cache_shape_dtype, make_case, sentinel
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jax_kimi_mla as jkm
-from _util import ACT, FORMATS, Case, bits, cache_shape_dtype, make_case, sentinel
 from jax_kimi_mla import sharding
 from jax_kimi_mla.formats import EPILOGUES
 
