@@ -12,6 +12,7 @@ from .ops import (
     fused_mla_key_concat_ds_mla_insert,
     fused_mla_key_concat_kv_cache_insert,
     fused_mla_qkv_quant_kv_cache_fp8_insert,
+    gather_mla_cache,
     mla_decode_attention,
 )
 
@@ -26,6 +27,7 @@ __all__ = [
     "fused_mla_key_concat_ds_mla_insert",
     "fused_mla_key_concat_kv_cache_insert",
     "fused_mla_qkv_quant_kv_cache_fp8_insert",
+    "gather_mla_cache",
     "layer",
     "make_cos_sin_cache",
     "mla_decode_attention",

@@ -345,24 +345,85 @@ def decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale,
     cache(kv_cache, CACHE_FORMATS[fmt], q.dtype, why)
     if q_fp8 != (q_scale_inv is not None):
         raise ValueError("q_scale_inv goes with an fp8 (float8_e4m3fn) mqa_q: " + ("it is missing" if q_fp8 else f"mqa_q is {q.dtype}"))
-    tables = as_array("block_tables", block_tables)
-    expect_dtype("block_tables", tables, INDEX_DTYPES)
-    if tables.ndim != 2:
-        raise ValueError(f"block_tables must be [B, max_blocks], got shape {tuple(tables.shape)}")
-    if tables.shape[0] != B:
-        raise ValueError(f"mismatched B: block_tables has {tables.shape[0]} rows but mqa_q has {B} sequences")
-    lens = as_array("context_lens", context_lens)
-    expect_dtype("context_lens", lens, INDEX_DTYPES)
-    expect_shape("context_lens", lens, (B,), f"[B] = [{B}]")
+    tables, lens = paged_tables(block_tables, context_lens, B)
     return AttentionCall(
         q=q,
         kv_cache=kv_cache,
-        block_tables=_int64_host_indices_as_int32("block_tables", tables),
-        context_lens=_int64_host_indices_as_int32("context_lens", lens),
+        block_tables=tables,
+        context_lens=lens,
         q_scale_inv=None if q_scale_inv is None else scale("q_scale_inv", q_scale_inv),
         cache_scale_inv=None if cache_scale_inv is None else scale("cache_scale_inv", cache_scale_inv),
         cache_format=fmt,
         softmax_scale=float(softmax_scale),
         num_splits=None if num_splits is None else int(num_splits),
         squeeze=squeeze,
+    )
+
+
+GATHER_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), F32)
+
+
+@dataclass(frozen=True)
+class GatherCall:
+    """A checked gather_mla_cache call."""
+
+    kv_cache: jax.Array
+    block_tables: jax.Array
+    context_lens: jax.Array
+    cache_scale_inv: jax.Array | None
+    cache_format: str
+    num_tokens: int
+    out_dtype: jnp.dtype
+
+
+def paged_tables(block_tables, context_lens, batch: int | None = None):
+    """Checks block_tables [B, max_blocks] (B = ``batch`` when given: mqa_q's) and context_lens
+    [B]; returns them (host int64 indices made int32)."""
+    tables = as_array("block_tables", block_tables)
+    expect_dtype("block_tables", tables, INDEX_DTYPES)
+    if tables.ndim != 2:
+        raise ValueError(f"block_tables must be [B, max_blocks], got shape {tuple(tables.shape)}")
+    if batch is not None and tables.shape[0] != batch:
+        raise ValueError(f"mismatched B: block_tables has {tables.shape[0]} rows but mqa_q has {batch} sequences")
+    lens = as_array("context_lens", context_lens)
+    expect_dtype("context_lens", lens, INDEX_DTYPES)
+    B = int(tables.shape[0])
+    expect_shape("context_lens", lens, (B,), f"[B] = [{B}]")
+    return _int64_host_indices_as_int32("block_tables", tables), _int64_host_indices_as_int32("context_lens", lens)
+
+
+def gather_cache(kv_cache, block_tables, context_lens, num_tokens, ds_mla, cache_scale_inv, out_dtype) -> GatherCall:
+    """Checks a gather_mla_cache call and picks its cache format."""
+    kv_cache = as_array("kv_cache", kv_cache)
+    if static_bool("ds_mla", ds_mla):
+        if cache_scale_inv is not None:
+            raise ValueError("ds_mla=True stores its own per-tile scales: cache_scale_inv must be None")
+        fmt, act, why = "fp8_ds_mla", None, " of ds_mla=True"
+    elif cache_scale_inv is not None:
+        fmt, act, why = "fp8", None, ", as cache_scale_inv was given"
+    else:
+        if jnp.dtype(kv_cache.dtype) == UINT8:
+            raise TypeError("kv_cache is uint8 (an fp8_ds_mla cache?) but ds_mla=False; pass ds_mla=True")
+        if jnp.dtype(kv_cache.dtype) == FP8:
+            raise TypeError("kv_cache is float8_e4m3fn (the plain fp8 cache), which needs cache_scale_inv; it was not given")
+        expect_dtype("kv_cache", kv_cache, ACT_DTYPES)
+        fmt, act, why = "bf16", kv_cache.dtype, ""
+    cache(kv_cache, CACHE_FORMATS[fmt], act, why)
+    tables, lens = paged_tables(block_tables, context_lens)
+    out = jnp.dtype(out_dtype)
+    if out not in GATHER_DTYPES:
+        raise TypeError(f"out_dtype must be {_names(GATHER_DTYPES)}, got {out}")
+    capacity = int(tables.shape[0] * tables.shape[1] * kv_cache.shape[1])
+    if num_tokens is None:
+        num_tokens = capacity
+    elif isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
+        raise ValueError(f"num_tokens must be None (every table slot: B * max_blocks * block_size) or an int >= 0, got {num_tokens!r}")
+    return GatherCall(
+        kv_cache=kv_cache,
+        block_tables=tables,
+        context_lens=lens,
+        cache_scale_inv=None if cache_scale_inv is None else scale("cache_scale_inv", cache_scale_inv),
+        cache_format=fmt,
+        num_tokens=int(num_tokens),
+        out_dtype=out,
     )

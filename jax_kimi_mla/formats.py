@@ -101,5 +101,5 @@ EPILOGUES = {
     )
 }
 
-READERS = ("mla_decode_attention",)  # FFI targets that only read the cache
+READERS = ("mla_decode_attention", "gather_mla_cache")  # FFI targets that only read the cache
 FFI_TARGETS = tuple(e.target for e in EPILOGUES.values()) + READERS

@@ -270,3 +270,40 @@ def mla_decode_attention(
     lead = (B,) if c.squeeze else (B, S)
     out, lse = out.reshape(*lead, H, _checks.L), lse.reshape(*lead, H)
     return (out, lse) if return_lse else out
+
+
+def gather_mla_cache(kv_cache, block_tables, context_lens, *, num_tokens=None, ds_mla=False, cache_scale_inv=None, out_dtype=jnp.bfloat16):
+    """The cached entries of a batch of sequences, dequantized and packed densely, in one call.
+
+    For chunked prefill: the context of each sequence, read through its block table, as the rows
+    that ``kv_b_proj`` then up-projects.
+
+    Args:
+      kv_cache: [num_blocks, block_size, 576] bfloat16/float16; float8_e4m3fn with
+        ``cache_scale_inv``; or uint8 [num_blocks, block_size, 656] with ``ds_mla=True``.
+      block_tables: [B, max_blocks] int32/int64; context_lens: [B] int32/int64, clamped to
+        [0, max_blocks * block_size].
+      num_tokens: the output rows (static); None: B * max_blocks * block_size.
+      out_dtype: bfloat16, float16 or float32.
+
+    Returns:
+      [num_tokens, 576] in ``out_dtype``: token t of sequence b at row ``sum(context_lens[:b]) + t``
+      (values: the latent and k_pe as the cache holds them, dequantized: plain fp8 codes divided
+      by cache_scale_inv, fp8_ds_mla codes times their tile scale), rounded to nearest even. A
+      token whose block id is outside [0, num_blocks) gives a zero row; rows past the last token
+      are zeros; tokens past ``num_tokens`` are dropped.
+
+    Example::
+
+      context = jax.jit(functools.partial(gather_mla_cache, num_tokens=4096))(kv_cache, block_tables, context_lens)
+    """
+    c = _checks.gather_cache(kv_cache, block_tables, context_lens, num_tokens, ds_mla, cache_scale_inv, out_dtype)
+    scale = jnp.zeros((0,), jnp.float32) if c.cache_scale_inv is None else jnp.reshape(c.cache_scale_inv, (1,))
+    (out,) = _ffi.call(
+        "gather_mla_cache",
+        [c.kv_cache, c.block_tables, c.context_lens, scale],
+        [jax.ShapeDtypeStruct((c.num_tokens, _checks.ENTRY), c.out_dtype)],
+        {},
+        {},
+    )
+    return out

@@ -180,3 +180,21 @@ def mla_decode_attention(
     if c.squeeze:
         out, lse = out[:, 0], lse[:, 0]
     return (out, lse) if return_lse else out
+
+
+def gather_mla_cache(kv_cache, block_tables, context_lens, *, num_tokens=None, ds_mla=False, cache_scale_inv=None, out_dtype=jnp.bfloat16):
+    """Reference of :func:`jax_kimi_mla.gather_mla_cache`: every table slot's entry gathered and
+    dequantized as float32, then scattered to its packed row."""
+    c = _checks.gather_cache(kv_cache, block_tables, context_lens, num_tokens, ds_mla, cache_scale_inv, out_dtype)
+    num_blocks, block_size = c.kv_cache.shape[:2]
+    B, max_blocks = c.block_tables.shape
+    t = jnp.arange(max_blocks * block_size)
+    blocks = c.block_tables[:, t // block_size]  # [B, tokens]
+    lens = jnp.clip(c.context_lens, 0, t.shape[0])
+    in_cache = (blocks >= 0) & (blocks < num_blocks)
+    entries = _dequantized_entries(c, jnp.where(in_cache, blocks * block_size + t % block_size, 0))
+    entries = jnp.where(in_cache[..., None], entries, 0.0).astype(c.out_dtype)
+    first = jnp.cumsum(lens) - lens  # each sequence's first output row
+    rows = jnp.where(t < lens[:, None], first[:, None] + t, c.num_tokens)  # past the length: dropped
+    out = jnp.zeros((c.num_tokens, _checks.ENTRY), c.out_dtype)
+    return out.at[rows.reshape(-1)].set(entries.reshape(-1, _checks.ENTRY), mode="drop")

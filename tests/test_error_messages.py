@@ -122,6 +122,9 @@ def callables(call: str) -> list:
     if name == "attention":
         a = dict(attention_base(), **kwargs)
         return [(impl.__name__, lambda impl=impl: impl.mla_decode_attention(**a)) for impl in (jax_kimi_mla, reference)]
+    if name == "gather":
+        a = {k: v for k, v in attention_base().items() if k in ("kv_cache", "block_tables", "context_lens")} | kwargs
+        return [(impl.__name__, lambda impl=impl: impl.gather_mla_cache(**a)) for impl in (jax_kimi_mla, reference)]
     if name in FORMATS:
         a = dict(base(name), **kwargs)
         return [(impl.__name__, functools.partial(invoke, impl, name, a)) for impl in (jax_kimi_mla, reference)]

@@ -1,0 +1,82 @@
+// gather_mla_cache, as data: the cached entries of a batch of sequences read through their block
+// tables and written densely, dequantized, one row per token, sequence after sequence (chunked
+// prefill reads its context this way). Host and device.
+#pragma once
+
+#include <string>
+
+#include "jax_kimi_mla/paged_cache.h"
+
+namespace jax_kimi_mla {
+
+enum class OutType : uint8_t { kBF16, kF16, kF32 };
+
+struct GatherCache : PagedCache {
+  int64_t batch = 0;
+  int64_t num_tokens = 0;  // output rows; past the last sequence's tokens they are zeros
+  OutType out_type = OutType::kBF16;
+  void* out = nullptr;  // [num_tokens, 576]
+
+  // Output row of token t of sequence b is start + t, start being the clamped lengths of the
+  // sequences before b; rows at or past num_tokens are dropped.
+
+  // Element i of a token's output row from its cache row (-1: masked, zeros).
+  JKM_HD float value(int64_t cache_row, int i) const {
+    if (cache_row < 0) return 0.0f;
+    const float v = entry_value(*this, cache + cache_row * row_bytes, i);
+    return cache_scale_inv != nullptr ? v / *cache_scale_inv : v;
+  }
+};
+
+// Eight float32 values stored as output elements 8g..8g+7 of row r (bf16/f16: round to nearest
+// even, NaN canonical; f32: as they are).
+JKM_HD void store_out8(const GatherCache& g, int64_t r, int group, const float v[8]) {
+  const int64_t first = r * kEntry + group * 8;
+  if (g.out_type == OutType::kF32) {
+    for (int half = 0; half < 2; ++half) {
+      Raw16 w;
+      for (int i = 0; i < 4; ++i) w.w[i] = f32_bits(v[4 * half + i]);
+      store16(static_cast<float*>(g.out) + first + 4 * half, w);
+    }
+    return;
+  }
+  Raw16 w;
+  for (int i = 0; i < 4; ++i)
+    w.w[i] = g.out_type == OutType::kBF16 ? bf16x2(v[2 * i], v[2 * i + 1]) : f16x2(v[2 * i], v[2 * i + 1]);
+  store16(static_cast<uint16_t*>(g.out) + first, w);
+}
+
+// ---- FFI operands -> GatherCache (host) ----
+//
+// Operands: kv_cache, block_tables, context_lens, cache_scale_inv (as in make_paged_cache).
+// Result: out bf16|f16|f32 [num_tokens, 576]. No attributes.
+inline ffi::Error make_gather_cache(ffi::AnyBuffer cache, ffi::AnyBuffer tables, ffi::AnyBuffer lens,
+                                    ffi::AnyBuffer cache_scale_inv, ffi::AnyBuffer out, GatherCache& g) {
+  const auto fail = [](const std::string& what) {
+    return ffi::Error::InvalidArgument("jax_kimi_mla gather_mla_cache: " + what);
+  };
+  using T = ffi::DataType;
+  g.batch = tables.dimensions().size() == 2 ? tables.dimensions()[0] : -1;
+  if (std::string err = make_paged_cache(cache, tables, lens, cache_scale_inv, g.batch, g); !err.empty())
+    return fail(err);
+  const auto od = out.dimensions();
+  switch (out.element_type()) {
+    case T::BF16: g.out_type = OutType::kBF16; break;
+    case T::F16: g.out_type = OutType::kF16; break;
+    case T::F32: g.out_type = OutType::kF32; break;
+    default: return fail("out must be bfloat16, float16 or float32");
+  }
+  if (od.size() != 2 || od[1] != kEntry) return fail("out must be [num_tokens, 576]");
+  g.num_tokens = od[0];
+  g.out = out.untyped_data();
+  return ffi::Error::Success();
+}
+
+#define JKM_GATHER_CACHE_BINDING(bind) \
+  (bind).Arg<xla::ffi::AnyBuffer>()    \
+      .Arg<xla::ffi::AnyBuffer>()      \
+      .Arg<xla::ffi::AnyBuffer>()      \
+      .Arg<xla::ffi::AnyBuffer>()      \
+      .Ret<xla::ffi::AnyBuffer>()
+
+}  // namespace jax_kimi_mla

@@ -1,0 +1,122 @@
+// A paged latent cache as its readers see it: the cache rows, the block tables and the sequence
+// lengths, the addressing rules, and the dequantized value of an entry element. Shared by
+// mla_decode_attention and gather_mla_cache (host and device), and the FFI parsing of those
+// operands (host).
+#pragma once
+
+#include <string>
+
+#include "jax_kimi_mla/epilogue.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_kimi_mla {
+
+struct PagedCache {
+  CacheFormat cache_format = CacheFormat::kBf16;
+  ActType cache16 = ActType::kBF16;  // the element type of a bf16 (16-bit) cache
+  // Token row r of the cache starts at cache + r * row_bytes (rows may be wider than the entry).
+  const uint8_t* cache = nullptr;
+  int64_t row_bytes = 0;
+  int64_t num_blocks = 0, block_size = 0;
+  const void* block_tables = nullptr;  // [B, max_blocks]
+  bool tables_int64 = false;
+  int64_t max_blocks = 0;
+  const void* context_lens = nullptr;  // [B]
+  bool lens_int64 = false;
+  // Plain fp8: entry = Q(x * cache_scale_inv), read on the device. Null for other formats.
+  const float* cache_scale_inv = nullptr;
+
+  JKM_HD int64_t max_len() const { return max_blocks * block_size; }
+
+  // Tokens of sequence b, clamped to [0, max_blocks * block_size].
+  JKM_HD int64_t context_len(int64_t b) const {
+    const int64_t n = load_index(context_lens, lens_int64, b);
+    return n < 0 ? 0 : (n > max_len() ? max_len() : n);
+  }
+
+  // The cache row of token t (< len) of sequence b, or -1 when its block id is outside
+  // [0, num_blocks): such a token is masked out and nothing is read for it.
+  JKM_HD int64_t token_row(int64_t b, int64_t t) const {
+    const int64_t block = load_index(block_tables, tables_int64, b * max_blocks + t / block_size);
+    return block >= 0 && block < num_blocks ? block * block_size + t % block_size : -1;
+  }
+};
+
+// The float32 value of an E4M3 code (exact).
+JKM_HD float e4m3_to_f32(uint8_t code) {
+  const uint32_t sign = uint32_t(code & 0x80u) << 24;
+  const uint32_t exp = (code >> 3) & 0xFu, mant = code & 0x7u;
+  if (exp == 0xFu && mant == 0x7u) return f32_from_bits(sign | 0x7FC00000u);  // NaN
+  if (exp == 0) return f32_from_bits(sign | f32_bits(float(mant) * 0.001953125f));  // mant * 2^-9
+  return f32_from_bits(sign | ((exp + 120u) << 23) | (mant << 20));
+}
+
+// Element i (0..575) of the cache entry at `entry` as float32: the latent dequantized with its
+// tile scale (fp8_ds_mla), the stored code or 16-bit value otherwise. Plain fp8 values are the
+// codes: the caller divides by cache_scale_inv.
+JKM_HD float entry_value(const PagedCache& p, const uint8_t* entry, int i) {
+  switch (p.cache_format) {
+    case CacheFormat::kFp8DsMla: {
+      if (i >= kLatent) {
+        uint16_t h;
+        memcpy(&h, entry + kDsMlaPeOffset + 2 * (i - kLatent), 2);
+        return bf16_to_f32(h);
+      }
+      float s;
+      memcpy(&s, entry + kDsMlaScaleOffset + 4 * (i / kDsMlaTile), 4);
+      return e4m3_to_f32(entry[i]) * s;
+    }
+    case CacheFormat::kFp8: return e4m3_to_f32(entry[i]);
+    case CacheFormat::kBf16: {
+      uint16_t h;
+      memcpy(&h, entry + 2 * i, 2);
+      return p.cache16 == ActType::kBF16 ? bf16_to_f32(h) : f16_to_f32(h);
+    }
+  }
+  return 0.0f;
+}
+
+// ---- FFI operands -> PagedCache (host) ----
+
+namespace ffi = xla::ffi;
+
+// kv_cache bf16|f16|f8|u8 [N, bs, W] (the format from the dtype; W bytes >= the entry and a
+// multiple of 16), block_tables idx [B, max_blocks], context_lens idx [B], cache_scale_inv f32
+// [1] for the plain fp8 cache, else [0]. Returns an error message, empty when the operands fit.
+inline std::string make_paged_cache(ffi::AnyBuffer cache, ffi::AnyBuffer tables, ffi::AnyBuffer lens,
+                                    ffi::AnyBuffer cache_scale_inv, int64_t batch, PagedCache& p) {
+  using T = ffi::DataType;
+  const auto is_index = [](T t) { return t == T::S32 || t == T::S64; };
+  const auto cd = cache.dimensions(), td = tables.dimensions();
+  if (cd.size() != 3) return "kv_cache must be [num_blocks, block_size, width]";
+  int64_t entry_bytes = 2 * kEntry, item = 2;
+  switch (cache.element_type()) {
+    case T::U8: p.cache_format = CacheFormat::kFp8DsMla, entry_bytes = kDsMlaEntryBytes, item = 1; break;
+    case T::F8E4M3FN: p.cache_format = CacheFormat::kFp8, entry_bytes = kEntry, item = 1; break;
+    case T::BF16: p.cache_format = CacheFormat::kBf16, p.cache16 = ActType::kBF16; break;
+    case T::F16: p.cache_format = CacheFormat::kBf16, p.cache16 = ActType::kF16; break;
+    default: return "kv_cache must be bfloat16, float16, float8_e4m3fn or uint8";
+  }
+  p.num_blocks = cd[0], p.block_size = cd[1], p.row_bytes = cd[2] * item;
+  if (p.row_bytes < entry_bytes || p.row_bytes % 16 != 0)
+    return "kv_cache rows must hold an entry and be a multiple of 16 bytes";
+  if (p.block_size < 1 && p.num_blocks > 0) return "block_size must be >= 1";
+  const bool fp8_cache = p.cache_format == CacheFormat::kFp8;
+  if ((cache_scale_inv.element_count() == 1) != fp8_cache ||
+      cache_scale_inv.element_type() != T::F32 || cache_scale_inv.element_count() > 1)
+    return "cache_scale_inv must be float32 [1] exactly for the plain fp8 cache, else [0]";
+  if (td.size() != 2 || td[0] != batch || !is_index(tables.element_type()))
+    return "block_tables must be int32/int64 [B, max_blocks]";
+  if (lens.dimensions().size() != 1 || lens.dimensions()[0] != batch || !is_index(lens.element_type()))
+    return "context_lens must be int32/int64 [B]";
+  p.cache = static_cast<const uint8_t*>(cache.untyped_data());
+  p.block_tables = tables.untyped_data();
+  p.tables_int64 = tables.element_type() == T::S64;
+  p.max_blocks = td[1];
+  p.context_lens = lens.untyped_data();
+  p.lens_int64 = lens.element_type() == T::S64;
+  p.cache_scale_inv = fp8_cache ? static_cast<const float*>(cache_scale_inv.untyped_data()) : nullptr;
+  return {};
+}
+
+}  // namespace jax_kimi_mla
