@@ -1,9 +1,13 @@
-"""A Kimi-K3 MLA attention layer in plain JAX, built on the fused epilogues.
+"""A Kimi-K3 MLA attention layer in plain JAX, built on the library's ops.
 
 Prefill runs MLA in its non-absorbed form: per-head q [T, H, 192], k = [k_nope | k_pe] and
-v [T, H, 128], dense causal attention over the new tokens plus, for a later chunk of a prompt, over
-the sequence's cached tokens. Decode runs the absorbed form: W_UK folded into the query
-(ql_nope [B, H, 512]), MQA of mqa_q [B, H, 576] against the paged latent cache, W_UV after.
+v [T, H, 128], causal attention over the new tokens plus, for a later chunk of a prompt, over the
+sequence's cached tokens (read back with ``gather_mla_cache`` and up-projected through
+kv_b_proj). The attention is blockwise (online softmax over tiles of ``config.attention_block``
+queries and keys), so memory grows with T x block, not T^2. Decode runs the absorbed form: W_UK
+folded into the query (ql_nope [B, H, 512]), ``mla_decode_attention`` of mqa_q [B, (S_q,) H, 576]
+over the paged latent cache, W_UV after. Optional: an output gate (Kimi-K3), q projected without
+q_lora, a softmax scale other than 1/sqrt(192) (YaRN); see :class:`MLAConfig`.
 
 The cache is paged: token t of a sequence lives in row ``slot = block * block_size + offset`` of
 ``kv_cache.reshape(-1, width)``, with ``block = block_table[t // block_size]``. Formats:
@@ -19,13 +23,17 @@ A stack of layers shares one cache [layers, N, bs, W]: pass ``layer=i`` and the 
 layer's rows of the whole stacked buffer, so the donated stack is updated in place with no slice
 copied out and back (see :func:`scan_layers`).
 
-Example::
+Example (a 16-token prompt into blocks 0 and 1 of a 16-token-block cache)::
 
-    config = MLAConfig(hidden_size=1024, num_heads=8)
-    params = init_params(jax.random.key(0), config)
-    kv_cache = allocate_cache(config, num_blocks=64, block_size=16)
-    step = jax.jit(functools.partial(prefill, config=config), donate_argnums=4)
-    out, kv_cache = step(params, x, positions, slot_mapping, kv_cache)
+    >>> config = MLAConfig(hidden_size=256, num_heads=4)
+    >>> params = init_params(jax.random.key(0), config)
+    >>> kv_cache = allocate_cache(config, num_blocks=8, block_size=16)
+    >>> x = jax.random.normal(jax.random.key(1), (16, 256), jnp.bfloat16)
+    >>> positions = slot_mapping = jnp.arange(16, dtype=jnp.int32)
+    >>> step = jax.jit(functools.partial(prefill, config=config), donate_argnums=4)
+    >>> out, kv_cache = step(params, x, positions, slot_mapping, kv_cache)
+    >>> out.shape
+    (16, 256)
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ import numpy as np
 from . import ops
 from ._checks import columns
 from .formats import CACHE_FORMATS, ENTRY, L, P, R, V
-from .numerics import E4M3_MAX, ds_mla_dequantize, rope
+from .numerics import E4M3_MAX, rope
 
 SOFTMAX_SCALE = 1.0 / math.sqrt(P + R)
 # The per-tensor fp8 scales are set for |x| up to 8: activations here are O(1) by construction.
@@ -57,11 +65,13 @@ class MLAConfig:
 
     hidden_size: int = 1024
     num_heads: int = 8
-    q_lora_rank: int = 1536
+    q_lora_rank: int | None = 1536  # None: q projected straight from x (q_proj), no q_a / q_b
     cache_format: str = "bf16"
     dtype: Any = jnp.bfloat16
     rms_norm_eps: float = 1e-6
     softmax_scale: float | None = None  # None: 1 / sqrt(192); YaRN models fold in mscale^2
+    output_gate: bool = False  # Kimi-K3: attention output * sigmoid(x @ g_proj) before o_proj
+    attention_block: int = 512  # prefill attention runs in tiles of this many queries x keys
 
     @property
     def attention_scale(self) -> float:
@@ -81,20 +91,24 @@ def init_params(key, config: MLAConfig, num_layers: int | None = None):
     if num_layers is not None:
         return jax.vmap(lambda k: init_params(k, config))(jax.random.split(key, num_layers))
     d, h, r, dt = config.hidden_size, config.num_heads, config.q_lora_rank, config.dtype
+    q_shapes = {"q_proj": ((d, h, P + R), d)} if r is None else {"q_a_proj": ((d, r), d), "q_b_proj": ((r, h, P + R), r)}
     shapes = {  # name: (shape, fan_in)
-        "q_a_proj": ((d, r), d),
-        "q_b_proj": ((r, h, P + R), r),
+        **q_shapes,
         "kv_a_proj": ((d, ENTRY), d),  # -> [kv_c | k_pe]
         "kv_b_proj": ((L, h, P + V), L),  # -> [k_nope | v]: W_UK, then W_UV
         "o_proj": ((h, V, d), h * V),
     }
+    if config.output_gate:
+        shapes["g_proj"] = ((d, h, V), d)
     # One draw cut into the weights: XLA compiles one random generator instead of five.
     sizes = [math.prod(shape) for shape, _ in shapes.values()]
     draws = jnp.split(jax.random.normal(key, (sum(sizes),), F32), np.cumsum(sizes)[:-1])
     params = {
         name: (z.reshape(shape) / math.sqrt(fan_in)).astype(dt) for (name, (shape, fan_in)), z in zip(shapes.items(), draws)
     }
-    params |= {"q_a_norm": jnp.ones((r,), dt), "kv_a_norm": jnp.ones((L,), dt)}
+    params["kv_a_norm"] = jnp.ones((L,), dt)
+    if r is not None:
+        params["q_a_norm"] = jnp.ones((r,), dt)
     if config.cache_format == "fp8":
         params["fp8_scale_inv"] = {n: jnp.full((), FP8_SCALE_INV, F32) for n in ("q", "k", "v", "cache")}
     return params
@@ -120,8 +134,11 @@ def _rms_norm(x, w, eps):
 
 def _projections(params, x, config):
     """q [T, H, 192], kv_a [T, 576] = [kv_c | k_pe] and kv_c_normed [T, 512]."""
-    q_c = _rms_norm(_proj("td,dr->tr", x, params["q_a_proj"]), params["q_a_norm"], config.rms_norm_eps)
-    q = _proj("tr,rhc->thc", q_c, params["q_b_proj"])
+    if config.q_lora_rank is None:
+        q = _proj("td,dhc->thc", x, params["q_proj"])
+    else:
+        q_c = _rms_norm(_proj("td,dr->tr", x, params["q_a_proj"]), params["q_a_norm"], config.rms_norm_eps)
+        q = _proj("tr,rhc->thc", q_c, params["q_b_proj"])
     kv_a = _proj("td,de->te", x, params["kv_a_proj"])
     kv_c_normed = _rms_norm(kv_a[:, :L], params["kv_a_norm"], config.rms_norm_eps)
     return q, kv_a, kv_c_normed
@@ -144,35 +161,47 @@ def _cache_slots(slot_mapping, base, rows):
     return jnp.where((slot_mapping >= 0) & (slot_mapping < rows), slot_mapping + base, -1)
 
 
-def _table_slots(block_tables, block_size):
-    """Slots [..., max_blocks * block_size] of token positions 0, 1, ... of each block table."""
-    offsets = jnp.arange(block_size, dtype=block_tables.dtype)
-    return (block_tables[..., :, None] * block_size + offsets).reshape(*block_tables.shape[:-1], -1)
+def _blockwise_attention(q, k, v, q_pos, k_pos, k_valid, scale, block):
+    """softmax(q k^T * scale) v where key j is seen by query i when ``k_valid[j]`` and
+    ``k_pos[j] <= q_pos[i]``, computed one (query block, key block) tile at a time with an online
+    softmax: memory O(H x block^2), never the [H, T, S] score matrix. A query that sees no key
+    gets zeros.
 
+    q [T, H, D], k [S, H, D], v [S, H, Dv] (float32); positions int32 [T] / [S]; -> [T, H, Dv].
+    """
+    T, H, _ = q.shape
+    S, Dv = k.shape[0], v.shape[-1]
 
-def _read_cache(cache, slots, valid, fmt, params):
-    """Entries at ``slots`` [..., S] dequantized to float32 [..., S, 576] = [latent | k_pe], and
-    zero where ``valid`` is False: rows past a sequence's length hold whatever an earlier owner
-    of the block left, NaN included, and a masked-out NaN would still poison the value sums."""
-    rows = jnp.take(cache.reshape(-1, cache.shape[-1]), slots, axis=0, mode="clip")
-    if fmt == "fp8_ds_mla":
-        latent, k_pe = ds_mla_dequantize(rows)
-        entries = jnp.concatenate([latent, k_pe.astype(F32)], -1)
-    elif fmt == "fp8":
-        entries = rows.astype(F32) / params["fp8_scale_inv"]["cache"]
-    else:
-        entries = rows.astype(F32)
-    return jnp.where(valid[..., None], entries, 0.0)
+    def blocks(x, n, fill):  # [n, ...] -> [ceil(n / block), block, ...], padded with fill
+        pad = -n % block
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+        return x.reshape(-1, block, *x.shape[1:])
 
+    kb, vb = blocks(k, S, 0.0), blocks(v, S, 0.0)
+    kpos, kval = blocks(k_pos, S, 0), blocks(k_valid, S, False)
 
-def _softmax(scores, mask):
-    """Softmax over the last axis restricted to ``mask``; a row with no valid key gets zeros
-    (a padding token of a decode batch), not NaN."""
-    s = jnp.where(mask, scores, -jnp.inf)
-    m = jnp.max(s, -1, keepdims=True)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-    total = jnp.sum(p, -1, keepdims=True)
-    return p / jnp.where(total > 0, total, 1.0)
+    def query_block(args):
+        qi, qpos = args  # [block, H, D], [block]
+
+        def key_block(carry, keys):
+            m, total, acc = carry  # [H, block], [H, block], [H, block, Dv]
+            kj, vj, kp, kv = keys
+            s = jnp.einsum("qhd,khd->hqk", qi, kj) * scale
+            s = jnp.where(kv[None, None, :] & (kp[None, None, :] <= qpos[None, :, None]), s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, -1))
+            shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # all masked so far: no -inf - -inf
+            p = jnp.exp(s - shift[..., None])
+            alpha = jnp.exp(m - shift)
+            total = total * alpha + jnp.sum(p, -1)
+            acc = acc * alpha[..., None] + jnp.einsum("hqk,khv->hqv", p, vj)
+            return (m_new, total, acc), None
+
+        init = (jnp.full((H, block), -jnp.inf), jnp.zeros((H, block)), jnp.zeros((H, block, Dv)))
+        (_, total, acc), _ = jax.lax.scan(key_block, init, (kb, vb, kpos, kval))
+        return (acc / jnp.where(total > 0, total, 1.0)[..., None]).transpose(1, 0, 2)
+
+    out = jax.lax.map(query_block, (blocks(q, T, 0.0), blocks(q_pos, T, -1)))
+    return out.reshape(-1, H, Dv)[:T]
 
 
 def _rope_kwargs(positions, cos_sin_cache):
@@ -232,20 +261,39 @@ def prefill(params, x, positions, slot_mapping, kv_cache, *, config, block_table
         )
         q, k, v = q.astype(F32), k.astype(F32), kv[..., P:].astype(F32)
     T = x.shape[0]
-    mask = jnp.tril(jnp.ones((T, T), bool))
+    # Query t is the sequence's token context_len + t; chunk keys follow the cached context.
+    start = jnp.int32(0) if block_table is None else jnp.asarray(context_len, jnp.int32)
+    q_pos = start + jnp.arange(T, dtype=jnp.int32)
+    k_pos, k_valid = q_pos, jnp.ones((T,), bool)
     if block_table is not None:
-        slots_ctx = _table_slots(block_table, cache.shape[1])
-        in_context = jnp.arange(slots_ctx.shape[0]) < context_len
-        ctx = _read_cache(cache, base + slots_ctx, in_context, fmt, params)  # [S, 576]
+        # The sequence's cached context, dequantized and packed: [S, 576] = [latent | k_pe].
+        ctx = ops.gather_mla_cache(
+            cache,
+            _layer_tables(block_table[None], layer, kv_cache.shape[-3]),
+            start[None],
+            num_tokens=block_table.shape[0] * cache.shape[1],
+            ds_mla=fmt == "fp8_ds_mla",
+            cache_scale_inv=params["fp8_scale_inv"]["cache"] if fmt == "fp8" else None,
+            out_dtype=act,
+        )
         # k for a cached token = [k_nope from its latent | its k_pe], v from its latent.
-        ctx_kv = _proj("sl,lhc->shc", ctx[:, :L].astype(act), params["kv_b_proj"])
-        ctx_k_pe = jnp.broadcast_to(ctx[:, None, L:], (ctx.shape[0], q.shape[1], R))
+        ctx_kv = _proj("sl,lhc->shc", ctx[:, :L], params["kv_b_proj"])
+        ctx_k_pe = jnp.broadcast_to(ctx[:, None, L:].astype(F32), (ctx.shape[0], q.shape[1], R))
         k = jnp.concatenate([jnp.concatenate([ctx_kv[..., :P].astype(F32), ctx_k_pe], -1), k])
         v = jnp.concatenate([ctx_kv[..., P:].astype(F32), v])
-        mask = jnp.concatenate([jnp.broadcast_to(in_context, (T, ctx.shape[0])), mask], -1)
-    p = _softmax(jnp.einsum("thc,shc->hts", q, k) * config.attention_scale, mask)
-    o = jnp.einsum("hts,shv->thv", p, v).astype(act)
-    return _proj("thv,hvd->td", o, params["o_proj"]), cache.reshape(kv_cache.shape)
+        ctx_pos = jnp.arange(ctx.shape[0], dtype=jnp.int32)
+        k_pos, k_valid = jnp.concatenate([ctx_pos, k_pos]), jnp.concatenate([ctx_pos < start, k_valid])
+    o = _blockwise_attention(q, k, v, q_pos, k_pos, k_valid, config.attention_scale, config.attention_block)
+    return _output(params, x, o.astype(act), config), cache.reshape(kv_cache.shape)
+
+
+def _output(params, x, o, config):
+    """o_proj of the attention output o [T, H, 128], gated by sigmoid(x @ g_proj) first (in
+    float32) when the config has an output gate."""
+    if config.output_gate:
+        gate = jax.nn.sigmoid(jnp.einsum("td,dhv->thv", x, params["g_proj"], preferred_element_type=F32))
+        o = (o.astype(F32) * gate).astype(o.dtype)
+    return _proj("thv,hvd->td", o, params["o_proj"])
 
 
 def _layer_tables(block_tables, layer, num_blocks):
@@ -304,7 +352,7 @@ def decode(params, x, positions, slot_mapping, block_tables, context_lens, kv_ca
         **scales,
     ).reshape(B * S, -1, L)  # [B * S_q, H, 512]
     o = _proj("thl,lhv->thv", latent.astype(config.dtype), w_uv)
-    out = _proj("thv,hvd->td", o, params["o_proj"])
+    out = _output(params, x.reshape(B * S, -1), o, config)
     return out.reshape(x.shape[:-1] + out.shape[-1:]), cache.reshape(kv_cache.shape)
 
 
@@ -343,8 +391,11 @@ def reference_attention(params, x, positions, *, config, cos_sin_cache=None):
     """
     p32 = jax.tree.map(lambda a: a.astype(F32), params)
     x = x.astype(F32)
-    q_c = _rms_norm(x @ p32["q_a_proj"], p32["q_a_norm"], config.rms_norm_eps)
-    q = jnp.einsum("tr,rhc->thc", q_c, p32["q_b_proj"])
+    if config.q_lora_rank is None:
+        q = jnp.einsum("td,dhc->thc", x, p32["q_proj"])
+    else:
+        q_c = _rms_norm(x @ p32["q_a_proj"], p32["q_a_norm"], config.rms_norm_eps)
+        q = jnp.einsum("tr,rhc->thc", q_c, p32["q_b_proj"])
     kv_a = x @ p32["kv_a_proj"]
     kv = jnp.einsum("tl,lhc->thc", _rms_norm(kv_a[:, :L], p32["kv_a_norm"], config.rms_norm_eps), p32["kv_b_proj"])
     q_pe, k_pe = q[..., P:], kv_a[:, L:]
@@ -356,4 +407,6 @@ def reference_attention(params, x, positions, *, config, cos_sin_cache=None):
     scores = jnp.einsum("thc,shc->hts", q, k) * config.attention_scale
     attn = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((S, S), bool)), scores, -jnp.inf), axis=-1)
     o = jnp.einsum("hts,shv->thv", attn, kv[..., P:])
+    if config.output_gate:
+        o = o * jax.nn.sigmoid(jnp.einsum("td,dhv->thv", x, p32["g_proj"]))
     return jnp.einsum("thv,hvd->td", o, p32["o_proj"])

@@ -79,7 +79,10 @@ def ds_mla_encode(latent, pe_bf16):
 def ds_mla_dequantize(entries):
     """Reads fp8_ds_mla entries: uint8 [..., 656] -> (latent float32 [..., 512], k_pe bfloat16 [..., 64]).
 
-    >>> latent, k_pe = ds_mla_dequantize(kv_cache)   # kv_cache uint8 [num_blocks, block_size, 656]
+    >>> kv_cache = jnp.zeros((4, 16, 656), jnp.uint8)  # an fp8_ds_mla cache [num_blocks, block_size, 656]
+    >>> latent, k_pe = ds_mla_dequantize(kv_cache)
+    >>> latent.shape, latent.dtype, k_pe.shape, k_pe.dtype
+    ((4, 16, 512), dtype('float32'), (4, 16, 64), dtype(bfloat16))
     """
     entries = jnp.asarray(entries)
     if entries.dtype != jnp.uint8 or entries.ndim < 1 or entries.shape[-1] != DS_MLA_ENTRY_BYTES:

@@ -21,3 +21,21 @@ def test_readme_python_blocks_run():
     # The decode steps did what the README says: the new tokens are in the caches, read back.
     assert namespace["latent"].shape == (4, 12, 512)
     assert bool((namespace["cached_latent"] != 0).any())
+
+
+def test_docstring_examples_run():
+    """Every ``>>>`` example in the package's docstrings (doctest), on the installed package."""
+    import doctest
+    import importlib
+    import pkgutil
+
+    import jax_kimi_mla
+
+    failed = tried = 0
+    for info in pkgutil.iter_modules(jax_kimi_mla.__path__):
+        if info.name.startswith("_c"):  # the compiled modules
+            continue
+        module = importlib.import_module(f"jax_kimi_mla.{info.name}")
+        result = doctest.testmod(module, extraglobs={"jax": __import__("jax"), "jnp": __import__("jax.numpy").numpy})
+        failed, tried = failed + result.failed, tried + result.attempted
+    assert tried > 0 and failed == 0

@@ -98,8 +98,8 @@ def as_bits(cache):
 class Run:
     """One scenario's data: weights, sequences, block tables; drives the jitted steps."""
 
-    def __init__(self, fmt, rope, seed, num_layers=None):
-        self.config = ml.MLAConfig(hidden_size=HIDDEN, num_heads=HEADS, cache_format=fmt)
+    def __init__(self, fmt, rope, seed, num_layers=None, **overrides):
+        self.config = ml.MLAConfig(hidden_size=HIDDEN, num_heads=HEADS, cache_format=fmt, **overrides)
         self.num_layers = num_layers
         keys = jax.random.split(jax.random.key(seed), 3)
         self.params = ml.init_params(keys[0], self.config, num_layers)
@@ -162,6 +162,17 @@ class Run:
         self.written += [s for s in slots if s >= 0]
         return rows, x, out
 
+    def decode_tokens(self, k, q_tokens):
+        """Decode step k: q_tokens new tokens of every sequence at once (speculative decoding)."""
+        rows = [(s, PROMPTS[s] + k * q_tokens) for s in range(len(PROMPTS))]
+        pos = np.array([[p + j for j in range(q_tokens)] for _, p in rows], np.int32)
+        x = jnp.stack([self.xs[s, p : p + q_tokens] for s, p in rows])
+        slots = np.array([[self.slot(s, p + j) for j in range(q_tokens)] for s, p in rows], np.int32)
+        lens = pos[:, -1] + 1
+        out = self.step("decode", x, *map(jnp.asarray, (pos, slots, self.tables, lens)))
+        self.written += list(slots.reshape(-1))
+        return rows, out
+
     def check_untouched(self):
         """Rows no valid slot addressed keep their initial bits (in every layer of a stack)."""
         flat_now = as_bits(self.cache).reshape(-1, NUM_BLOCKS * BLOCK, self.initial_bits.shape[-1])
@@ -202,6 +213,37 @@ def test_prefill_then_decode_matches_reference(fmt, rope, seed):
 @pytest.mark.parametrize("fmt, rope, seed", [("fp8", True, 11), ("fp8_ds_mla", False, 12)])
 def test_scanned_layer_stack_matches_reference(fmt, rope, seed):
     run_and_check(Run(fmt, rope, seed, num_layers=2))
+
+
+@pytest.mark.parametrize(
+    "fmt, overrides, seed",
+    [
+        ("bf16", dict(attention_block=4), 21),  # several query and key tiles, with context
+        ("fp8_ds_mla", dict(output_gate=True, q_lora_rank=None, softmax_scale=0.11, attention_block=8), 22),
+        ("fp8", dict(output_gate=True, attention_block=4), 23),
+    ],
+)
+def test_model_variants_match_reference(fmt, overrides, seed):
+    """Blockwise prefill attention over several tiles, Kimi-K3's output gate, q without q_lora, a
+    YaRN-style softmax scale: each against the naive float32 reference of the same config."""
+    run_and_check(Run(fmt, False, seed, **overrides))
+
+
+@pytest.mark.parametrize("fmt, seed", [("bf16", 31), ("fp8_ds_mla", 32)])
+def test_multi_token_decode_matches_reference(fmt, seed):
+    """Two new tokens per sequence in one decode step: token j sees the tokens up to itself."""
+    run = Run(fmt, False, seed)
+    tolerance = dict(rtol=0, atol=TOLERANCE[fmt])
+    for seq, chunks in CHUNKS.items():
+        start = 0
+        for n in chunks:
+            run.prefill_chunk(seq, start, n)
+            start += n
+    for k in range(DECODE_STEPS // 2):
+        rows, got = run.decode_tokens(k, 2)
+        for i, (seq, pos) in enumerate(rows):
+            np.testing.assert_allclose(got[i], run.expected[seq, pos : pos + 2], **tolerance, err_msg=f"step {k}, seq {seq}")
+    run.check_untouched()
 
 
 # ---- the compiled HLO --------------------------------------------------------------------------
