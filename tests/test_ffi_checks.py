@@ -1,0 +1,78 @@
+"""The C++ handlers' own checks (docs/ABI.md: "A malformed call ... returns an FFI error"): a
+hand-written jax.ffi.ffi_call that bypasses the Python checks fails with the handler's message
+instead of touching memory. On the CPU handlers (the same checks run on the GPU)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_kimi_mla import _ffi
+
+BF16 = jnp.bfloat16
+NO_SCALE = np.zeros((0,), np.float32)
+
+
+def raw_call(op, operands, results, **attrs):
+    fn = jax.ffi.ffi_call(_ffi.target_name(op), [jax.ShapeDtypeStruct(s, d) for s, d in results])
+    with jax.default_device(jax.devices("cpu")[0]):
+        return jax.block_until_ready(fn(*operands, **attrs))
+
+
+def attention(q_shape=(2, 3, 576), q_dtype=BF16, cache=((4, 2, 576), BF16), tables=(2, 2), lens=(2,), out=None, lse=None,
+              partials=0, q_tokens=1, num_splits=1, scales=(NO_SCALE, NO_SCALE)):
+    B = q_shape[0]
+    operands = [np.zeros(q_shape, q_dtype), np.zeros(*cache), np.zeros(tables, np.int32), np.ones(lens, np.int32), *scales]
+    results = [(out or (B, q_shape[1], 512), BF16), (lse or (B, q_shape[1]), jnp.float32), ((partials,), jnp.float32)]
+    return raw_call("mla_decode_attention", operands, results, softmax_scale=np.float32(0.1), q_tokens=np.int64(q_tokens), num_splits=np.int64(num_splits))
+
+
+def test_a_well_formed_raw_call_runs():
+    out, lse, _ = attention()
+    assert out.shape == (2, 3, 512) and np.isfinite(np.asarray(lse)).all()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(q_shape=(2, 3, 512)), "q must be [B * S_q, H, 576]"),
+        (dict(q_tokens=5), "q_tokens (S_q) must be 1..4"),
+        (dict(q_tokens=3), "q must be [B * S_q, H, 576]"),  # 2 rows do not split into S_q = 3
+        (dict(cache=((4, 2, 560), BF16)), "kv_cache rows must hold an entry and be a multiple of 16 bytes"),
+        (dict(cache=((4, 2, 576), jnp.float16)), "a bf16/fp16 kv_cache must have the dtype of q"),
+        (dict(cache=((4, 2, 576), jnp.float8_e4m3fn)), "cache_scale_inv must be float32 [1] exactly for the plain fp8 cache, else [0]"),
+        (dict(tables=(3, 2)), "block_tables must be int32/int64 [B, max_blocks]"),
+        (dict(lens=(3,)), "context_lens must be int32/int64 [B]"),
+        (dict(out=(2, 3, 500)), "out must be [B * S_q, H, 512] in the output dtype"),
+        (dict(lse=(2, 4)), "lse must be float32 [B * S_q, H]"),
+        (dict(num_splits=2), "partials must be float32 [num_splits * B * S_q * H * 513] (empty for one split)"),
+        (dict(num_splits=0), "num_splits must be 1..1024"),
+    ],
+)
+def test_malformed_attention_calls_fail_with_the_handlers_message(kwargs, message):
+    with pytest.raises(jax.errors.JaxRuntimeError, match=f"jax_kimi_mla mla_decode_attention: {re.escape(message)}"):
+        attention(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "operands, out, message",
+    [
+        ([np.zeros((4, 2, 576), BF16), np.zeros((2, 2), np.int32), np.zeros(3, np.int32), NO_SCALE], (8, 576), "context_lens must be int32/int64 [B]"),
+        ([np.zeros((4, 2, 576), BF16), np.zeros((2, 2), np.float32), np.zeros(2, np.int32), NO_SCALE], (8, 576), "block_tables must be int32/int64 [B, max_blocks]"),
+        ([np.zeros((4, 2, 656), np.uint8), np.zeros((2, 2), np.int32), np.zeros(2, np.int32), NO_SCALE], (8, 512), "out must be [num_tokens, 576]"),
+        ([np.zeros((4, 2, 576), np.float32), np.zeros((2, 2), np.int32), np.zeros(2, np.int32), NO_SCALE], (8, 576), "kv_cache must be bfloat16, float16, float8_e4m3fn or uint8"),
+    ],
+)
+def test_malformed_gather_calls_fail_with_the_handlers_message(operands, out, message):
+    with pytest.raises(jax.errors.JaxRuntimeError, match=f"jax_kimi_mla gather_mla_cache: {re.escape(message)}"):
+        raw_call("gather_mla_cache", operands, [(out, BF16)])
+
+
+def test_malformed_epilogue_call_fails_with_the_handlers_message():
+    """decode_kv_cache with kv_c_normed of the wrong width (operand 2)."""
+    operands = [np.zeros((2, 3, 512), BF16), np.zeros((2, 3, 64), BF16), np.zeros((2, 500), BF16), np.zeros((2, 64), BF16),
+                np.zeros((4, 2, 576), BF16), np.zeros(2, np.int32), np.zeros((0,), np.int32), np.zeros((0, 64), np.float32)]
+    with pytest.raises(jax.errors.JaxRuntimeError, match="jax_kimi_mla: kv_c_normed must be"):
+        raw_call("decode_kv_cache", operands, [((2, 3, 576), BF16), ((4, 2, 576), BF16)])
