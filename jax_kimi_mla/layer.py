@@ -161,13 +161,14 @@ def _cache_slots(slot_mapping, base, rows):
     return jnp.where((slot_mapping >= 0) & (slot_mapping < rows), slot_mapping + base, -1)
 
 
-def _blockwise_attention(q, k, v, q_pos, k_pos, k_valid, scale, block):
-    """softmax(q k^T * scale) v where key j is seen by query i when ``k_valid[j]`` and
-    ``k_pos[j] <= q_pos[i]``, computed one (query block, key block) tile at a time with an online
-    softmax: memory O(H x block^2), never the [H, T, S] score matrix. A query that sees no key
-    gets zeros.
+def _blockwise_attention(q, k, v, q_seq, q_pos, k_seq, k_pos, k_valid, scale, block):
+    """softmax(q k^T * scale) v where key j is seen by query i when ``k_valid[j]``, both belong to
+    one sequence (``k_seq[j] == q_seq[i]``) and ``k_pos[j] <= q_pos[i]``, computed one (query
+    block, key block) tile at a time with an online softmax: memory O(H x block^2), never the
+    [H, T, S] score matrix. A query that sees no key gets zeros.
 
-    q [T, H, D], k [S, H, D], v [S, H, Dv] (float32); positions int32 [T] / [S]; -> [T, H, Dv].
+    q [T, H, D], k [S, H, D], v [S, H, Dv] (float32); sequence ids and positions int32 [T] / [S];
+    -> [T, H, Dv].
     """
     T, H, _ = q.shape
     S, Dv = k.shape[0], v.shape[-1]
@@ -178,16 +179,17 @@ def _blockwise_attention(q, k, v, q_pos, k_pos, k_valid, scale, block):
         return x.reshape(-1, block, *x.shape[1:])
 
     kb, vb = blocks(k, S, 0.0), blocks(v, S, 0.0)
-    kpos, kval = blocks(k_pos, S, 0), blocks(k_valid, S, False)
+    kseq, kpos, kval = blocks(k_seq, S, -1), blocks(k_pos, S, 0), blocks(k_valid, S, False)
 
     def query_block(args):
-        qi, qpos = args  # [block, H, D], [block]
+        qi, qseq, qpos = args  # [block, H, D], [block], [block]
 
         def key_block(carry, keys):
             m, total, acc = carry  # [H, block], [H, block], [H, block, Dv]
-            kj, vj, kp, kv = keys
+            kj, vj, ks, kp, kv = keys
             s = jnp.einsum("qhd,khd->hqk", qi, kj) * scale
-            s = jnp.where(kv[None, None, :] & (kp[None, None, :] <= qpos[None, :, None]), s, -jnp.inf)
+            seen = kv[None, :] & (ks[None, :] == qseq[:, None]) & (kp[None, :] <= qpos[:, None])
+            s = jnp.where(seen[None], s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, -1))
             shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # all masked so far: no -inf - -inf
             p = jnp.exp(s - shift[..., None])
@@ -197,10 +199,10 @@ def _blockwise_attention(q, k, v, q_pos, k_pos, k_valid, scale, block):
             return (m_new, total, acc), None
 
         init = (jnp.full((H, block), -jnp.inf), jnp.zeros((H, block)), jnp.zeros((H, block, Dv)))
-        (_, total, acc), _ = jax.lax.scan(key_block, init, (kb, vb, kpos, kval))
+        (_, total, acc), _ = jax.lax.scan(key_block, init, (kb, vb, kseq, kpos, kval))
         return (acc / jnp.where(total > 0, total, 1.0)[..., None]).transpose(1, 0, 2)
 
-    out = jax.lax.map(query_block, (blocks(q, T, 0.0), blocks(q_pos, T, -1)))
+    out = jax.lax.map(query_block, (blocks(q, T, 0.0), blocks(q_seq, T, -2), blocks(q_pos, T, -1)))
     return out.reshape(-1, H, Dv)[:T]
 
 
@@ -208,24 +210,32 @@ def _rope_kwargs(positions, cos_sin_cache):
     return {} if cos_sin_cache is None else {"positions": positions, "cos_sin_cache": cos_sin_cache}
 
 
-def prefill(params, x, positions, slot_mapping, kv_cache, *, config, block_table=None, context_len=None, layer=None, cos_sin_cache=None):
-    """One chunk of one sequence's prompt through the layer; writes its tokens into the cache.
+def prefill(
+    params, x, positions, slot_mapping, kv_cache, *, config, block_table=None, context_len=None, cu_seqlens=None, layer=None, cos_sin_cache=None
+):
+    """Prompt chunks through the layer: one sequence's, or several packed (ragged); writes their
+    tokens into the cache.
 
     Args:
       params: from :func:`init_params` (one layer's, also inside :func:`scan_layers`).
-      x: [T, hidden] activation dtype, the chunk's hidden states. Padding tokens go at the end.
-      positions: [T] int32, the tokens' positions in the sequence (used by RoPE only).
+      x: [T, hidden] activation dtype, the chunks' hidden states. Padding tokens go at the end.
+      positions: [T] int32, the tokens' positions in their sequences (used by RoPE only).
       slot_mapping: [T] int32 cache slots; -1 for padding (not written).
       kv_cache: [N, bs, W], or [layers, N, bs, W] with ``layer``. Donate it.
-      block_table, context_len: for a chunk after the first, the sequence's block table
-        [max_blocks] int32 and the number of its tokens already cached (an int32 scalar); the
-        chunk then also attends to those tokens, read back from the cache.
+      block_table, context_len: for chunks after a sequence's first, its block table and the
+        number of its tokens already cached; the chunk then also attends to those tokens, read
+        back from the cache. One sequence: [max_blocks] int32 and an int32 scalar.
+      cu_seqlens: packed sequences: int32 [S + 1], sequence s owns tokens
+        [cu_seqlens[s], cu_seqlens[s + 1]) of x (S static; trailing empty sequences are fine, so
+        S and T can be bucketed). Then block_table is [S, max_blocks] and context_len [S] (or
+        both None: no context).
       layer: index (may be traced) of this layer in a stacked cache.
       cos_sin_cache: float32 [max_position, 64] turns GPT-J RoPE on; None = NoPE (Kimi-K3).
 
     Returns:
-      (out [T, hidden] activation dtype, kv_cache). Token t attends to the cached context and to
-      the chunk's tokens 0..t, with softmax scale ``config.attention_scale``.
+      (out [T, hidden] activation dtype, kv_cache). Each token attends to its own sequence only:
+      the cached context and the chunk's tokens up to itself, with softmax scale
+      ``config.attention_scale``.
     """
     fmt, act = config.cache_format, config.dtype
     cache, base, rows = _layer_rows(kv_cache, layer)
@@ -261,17 +271,25 @@ def prefill(params, x, positions, slot_mapping, kv_cache, *, config, block_table
         )
         q, k, v = q.astype(F32), k.astype(F32), kv[..., P:].astype(F32)
     T = x.shape[0]
-    # Query t is the sequence's token context_len + t; chunk keys follow the cached context.
-    start = jnp.int32(0) if block_table is None else jnp.asarray(context_len, jnp.int32)
-    q_pos = start + jnp.arange(T, dtype=jnp.int32)
-    k_pos, k_valid = q_pos, jnp.ones((T,), bool)
+    if cu_seqlens is None:  # one sequence: S = 1
+        cu_seqlens = jnp.array([0, T], jnp.int32)
+        block_table = None if block_table is None else block_table[None]
+        context_len = None if context_len is None else jnp.reshape(context_len, (1,))
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    lens = jnp.zeros(cu.shape[0] - 1, jnp.int32) if block_table is None else jnp.asarray(context_len, jnp.int32)
+    # Token i of x is token lens[s] + (i - cu[s]) of its sequence s; padding (i >= cu[S]) is a
+    # sequence of its own, S, which no real token sees.
+    i = jnp.arange(T, dtype=jnp.int32)
+    q_seq = jnp.searchsorted(cu[1:], i, side="right").astype(jnp.int32)
+    q_pos = jnp.concatenate([lens, jnp.zeros(1, jnp.int32)])[q_seq] + i - cu[q_seq]
+    k_seq, k_pos, k_valid = q_seq, q_pos, jnp.ones((T,), bool)
     if block_table is not None:
-        # The sequence's cached context, dequantized and packed: [S, 576] = [latent | k_pe].
+        # The sequences' cached contexts, dequantized and packed back to back: [C, 576].
         ctx = ops.gather_mla_cache(
             cache,
-            _layer_tables(block_table[None], layer, kv_cache.shape[-3]),
-            start[None],
-            num_tokens=block_table.shape[0] * cache.shape[1],
+            _layer_tables(block_table, layer, kv_cache.shape[-3]),
+            lens,
+            num_tokens=block_table.shape[0] * block_table.shape[1] * cache.shape[1],
             ds_mla=fmt == "fp8_ds_mla",
             cache_scale_inv=params["fp8_scale_inv"]["cache"] if fmt == "fp8" else None,
             out_dtype=act,
@@ -281,9 +299,13 @@ def prefill(params, x, positions, slot_mapping, kv_cache, *, config, block_table
         ctx_k_pe = jnp.broadcast_to(ctx[:, None, L:].astype(F32), (ctx.shape[0], q.shape[1], R))
         k = jnp.concatenate([jnp.concatenate([ctx_kv[..., :P].astype(F32), ctx_k_pe], -1), k])
         v = jnp.concatenate([ctx_kv[..., P:].astype(F32), v])
-        ctx_pos = jnp.arange(ctx.shape[0], dtype=jnp.int32)
-        k_pos, k_valid = jnp.concatenate([ctx_pos, k_pos]), jnp.concatenate([ctx_pos < start, k_valid])
-    o = _blockwise_attention(q, k, v, q_pos, k_pos, k_valid, config.attention_scale, config.attention_block)
+        r = jnp.arange(ctx.shape[0], dtype=jnp.int32)
+        ends = jnp.cumsum(lens)
+        ctx_seq = jnp.searchsorted(ends, r, side="right").astype(jnp.int32)
+        ctx_pos = r - jnp.concatenate([jnp.zeros(1, jnp.int32), ends])[ctx_seq]
+        k_seq, k_pos = jnp.concatenate([ctx_seq, k_seq]), jnp.concatenate([ctx_pos, k_pos])
+        k_valid = jnp.concatenate([r < ends[-1], k_valid])
+    o = _blockwise_attention(q, k, v, q_seq, q_pos, k_seq, k_pos, k_valid, config.attention_scale, config.attention_block)
     return _output(params, x, o.astype(act), config), cache.reshape(kv_cache.shape)
 
 
