@@ -7,28 +7,41 @@
 //    warps takes 16 query rows of one sequence (rows past S_q*H are zero padding, never stored)
 //    and the tokens [split_begin, split_end) of its split, in 64-token tiles:
 //    - The 16 x 576 query tile goes to shared memory once, in the MMA element type (bf16, or f16
-//      when q is f16 and the cache is f16 or plain fp8; E4M3 q codes become exact bf16 values).
-//    - Cache rows stream through a double buffer with one 16-byte cp.async per chunk: each token
-//      is addressed through its block id, so any block size works, and tile i + 1 is in flight
-//      while tile i is computed. The block ids of a tile are read two tiles ahead and kept as
-//      entry addresses in a small table in shared memory, off the critical path. A masked or
-//      out-of-range token reads nothing: its shared row is zero-filled and its logits are -inf.
+//      when q and the cache values are all exact in f16: f16 q over an f16 or plain fp8 cache, and
+//      E4M3 q, which always comes with the plain fp8 cache; E4M3 q codes become exact values).
+//    - Cache rows stream through kStages shared stages with one 16-byte cp.async per chunk: each
+//      token is addressed through its block id, so any block size works, and tiles i + 1 ..
+//      i + kStages - 1 are in flight while tile i is computed. The block ids of a tile are read
+//      kStages tiles ahead and kept as entry addresses in a small table in shared memory, off the
+//      critical path. A masked or out-of-range token reads nothing: its shared row is zero-filled
+//      and its logits are -inf.
 //    - A 16-bit cache lands straight in the MMA layout (rows of 1152 + 16 bytes: the 16-byte skew
-//      puts the 8 rows of every ldmatrix in distinct banks). A plain fp8 or fp8_ds_mla cache
-//      lands raw and is then converted into one MMA tile: E4M3 codes become exact bf16/f16
-//      values by bit placement and one multiply by a power of two (no sm_89 fp8 converter is
-//      used, so sm_80 runs it); ds_mla codes are then multiplied by their tile scale (exact for
-//      the power-of-two scales the writer produces), ds_mla k_pe is copied as bf16. The plain fp8
-//      scales never enter the loop: logits are multiplied by
+//      puts the 8 rows of every ldmatrix in distinct banks), 2 stages (3 do not fit beside Q).
+//    - A plain fp8 or fp8_ds_mla cache lands raw, 3 stages (two tiles, 74-84 KB, in flight: what
+//      bf16's one tile keeps in flight), and is never converted by a pass of its own: QK^T reads
+//      the raw codes into registers with 16-byte shared loads (qk_tile_raw; the K columns a lane
+//      holds are not the ones the m16n8k16 B fragment names, so Q is stored with its columns
+//      permuted to match, see mma_column), converts them there, and stores the 512 latent values
+//      once, converted, to a V tile that P.V reads with ldmatrix as for bf16. The conversion thus
+//      interleaves with the MMAs of the same warp, a tile costs 2 barriers instead of 3, and the
+//      converted tile is written once (64 KB) instead of written and read back as K too.
+//      Conversion: on sm_89+ with f16 elements the hardware cvt.rn.f16x2.e4m3x2 (exact, NaN
+//      kept); otherwise (bf16 elements, sm_80) E4M3 codes become exact values by bit placement
+//      and one multiply by a power of two, with NaN codes tracked by a cheap or-ed flag that
+//      makes the token's logits NaN (no branch in the loop). ds_mla codes are then multiplied by
+//      their tile scale (exact for the power-of-two scales the writer produces), ds_mla k_pe is
+//      used as bf16. The plain fp8 scales never enter the loop: logits are multiplied by
 //      softmax_scale / (q_scale_inv * cache_scale_inv), the output by 1 / cache_scale_inv.
 //    - QK^T: warp w computes the logits of the 16 rows x tokens [8w, 8w + 8) over the 576
-//      columns with mma.sync m16n8k16 (ldmatrix for Q, non-transposed ldmatrix for K), float32,
-//      in four accumulators so the 36-step dependency chain is cut to 9.
+//      columns with mma.sync m16n8k16 (ldmatrix for Q; non-transposed ldmatrix for a 16-bit K,
+//      registers for a 1-byte one), float32, in four accumulators so the 36-step dependency chain
+//      is cut to 9.
 //    - Online softmax in base 2 (logits pre-multiplied by log2 e, exp2f): the 16 x 64 logits go
 //      through shared memory and every warp computes the same row maxima, probabilities and sums
 //      for all 16 rows (identical operations on identical data, so bit-identical across warps).
 //    - P.V: warp w owns output columns [64w, 64w + 64): O[16 x 64] += P[16 x 64] V[64 x 64], V
-//      being the first 512 columns of the same tile (transposed ldmatrix), P built in registers.
+//      being the first 512 columns of the 16-bit tile or the converted V tile (transposed
+//      ldmatrix), P built in registers.
 //    - End: one split writes out (rounded to the output dtype) and lse directly; several splits
 //      each write their partial (512 normalized floats, then the natural-log lse; -inf and zeros
 //      for a row that saw no token of the split). A CTA whose split starts at or past the length
@@ -48,18 +61,26 @@
 // do not are left out of the P.V MMA (0 * NaN would reach the rows that do not see them) and
 // added in float32 to the rows that see them.
 //
-// Shared memory per CTA (1 CTA per SM): bf16/f16 cache 173,824 B, plain fp8 172,800 B, fp8_ds_mla
-// 183,040 B. That fits sm_90 (227 KB per block); GPUs with less opt-in shared memory (A100: 163
-// KB) get an error from the launch instead of a wrong answer.
+// Shared memory per CTA (1 CTA per SM): bf16/f16 cache 173,824 B (2 stages), plain fp8 201,984 B
+// (3 raw stages + V tile), fp8_ds_mla 226,560 B (3 raw stages of 704-byte rows + V tile). That
+// fits sm_90 (227 KB = 232,448 B per block); GPUs with less opt-in shared memory (A100: 163 KB)
+// get an error from the launch instead of a wrong answer.
 //
-// Measured on one H200 (B = 128, H = 16, S_q = 1, 4096 tokens, one split): bf16 cache 216 us =
-// 2.8 TB/s of cache; plain fp8 0.94 TB/s; fp8_ds_mla 1.04 TB/s. All three are still bound by
-// instruction latency, not by memory.
+// Measured on one H200 before the 1-byte rework (B = 128, H = 16, S_q = 1, 4096 tokens, one
+// split): bf16 cache 216 us = 2.8 TB/s of cache; plain fp8 0.94 TB/s; fp8_ds_mla 1.04 TB/s. All
+// three were bound by instruction latency, not by memory; benchmarks/results/h200-attention has
+// the sweep (bf16 60-71% of the copy ceiling, the 1-byte formats 21-25%, 1.5x slower than bf16).
+// After the 1-byte rework (3 stages, conversion fused into QK^T, hardware f16 conversion, f16
+// MMA for E4M3 q), on the H200 at H = 12, B = 64, context 16k / 32k: plain fp8 379 / 743 us (38% of
+// the copy ceiling, was 22%), fp8_ds_mla 418 / 821 us (39-40%, was 24%), bf16 445 / 870 us (64%):
+// the 1-byte formats are now 1.06-1.17x faster than bf16, short of the 1.6x their bytes allow
+// (benchmarks/results/h200-attention/RESULTS-1byte-rework.md; docs/DECODE_ATTENTION.md).
 //
-// Not done yet: the fp8 conversion pass costs more issue time than the MMAs and is not overlapped
-// with them; the phases of a tile (load issue, QK^T, softmax, P.V) are separated by barriers;
-// no PDL between the two launches. The split count is the caller's choice: one CTA per SM, so
-// num_splits * ceil(S_q*H / 16) * B should reach the SM count.
+// Not done yet: every warp re-reads the whole Q tile for each tile (147 KB per tile, the largest
+// shared-memory stream; Q does not fit in registers beside the rest: the 1-byte kernels use
+// 208-226 registers); the phases of a tile (load issue, QK^T, softmax, P.V) are separated by
+// barriers; no PDL between the two launches. The split count is the caller's choice: one CTA
+// per SM, so num_splits * ceil(S_q*H / 16) * B should reach the SM count.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -86,7 +107,6 @@ constexpr int64_t kMaxGridYZ = 65535;
 constexpr int kCombineWarps = 8;
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 static_assert(kTokensPerWarp == 8 && kOutBlocks % 2 == 0, "a warp's logits are one n-block");
-static_assert(kThreads >= 2 * kTileTokens, "the prologue gives one thread to each token of two tiles");
 
 // Where everything lives in dynamic shared memory (byte offsets, all multiples of 16).
 template <CacheFormat kFormat>
@@ -95,17 +115,30 @@ struct Layout {
   static constexpr int kEntryBytes = kFormat == CacheFormat::kBf16   ? 2 * kEntry
                                      : kFormat == CacheFormat::kFp8 ? kEntry
                                                                     : kDsMlaEntryBytes;
-  // A 16-bit cache row lands in the MMA layout itself; the fp8 formats land packed.
-  static constexpr int kRawRowBytes = kConverts ? kEntryBytes : kRowBytes;
+  // A 16-bit cache row lands in the MMA layout itself. A 1-byte row lands packed, at a stride of
+  // 64 mod 128 bytes: the 8 lanes of a 16-byte shared load (quad columns 16c of tokens g, g + 1)
+  // then hit 32 distinct banks (576 is such a stride; ds_mla's 656 is padded to 704).
+  static constexpr int kRawRowBytes = !kConverts                       ? kRowBytes
+                                      : kFormat == CacheFormat::kFp8 ? kEntry
+                                                                     : kDsMlaEntryBytes + 48;
   static constexpr int kRawTileBytes = kTileTokens * kRawRowBytes;
+  // Tiles in shared memory: kStages - 1 in flight while one is computed. Three 74 KB bf16 stages
+  // do not fit beside Q; three 1-byte stages do, and keep 74-84 KB in flight, as bf16's one does.
+  static constexpr int kStages = kConverts ? 3 : 2;
+  // The V tile of P.V: the raw tile itself for a 16-bit cache; for a 1-byte cache the first 512
+  // columns converted by QK^T (rows of 1024 + 16 bytes, ldmatrix conflict-free as kRowBytes).
+  static constexpr int kVRowBytes = kConverts ? 2 * kLatent + 16 : kRowBytes;
   static constexpr int kQ = 0;                                        // [16][kRowBytes]
   static constexpr int kScores = kQ + kTileRows * kRowBytes;          // float [16][kScoreStride]
-  static constexpr int kEntries = kScores + kTileRows * kScoreStride * 4;  // pointers [2][64]
-  static constexpr int kRaw = kEntries + 2 * kTileTokens * 8;       // [2][kRawTileBytes]
-  static constexpr int kConverted = kRaw + 2 * kRawTileBytes;         // [64][kRowBytes]
-  static constexpr int kBytes = kConverted + (kConverts ? kTileTokens * kRowBytes : 0);
+  static constexpr int kEntries = kScores + kTileRows * kScoreStride * 4;  // pointers [kStages][64]
+  static constexpr int kRaw = kEntries + kStages * kTileTokens * 8;   // [kStages][kRawTileBytes]
+  static constexpr int kVTile = kRaw + kStages * kRawTileBytes;        // [64][kVRowBytes] (1-byte)
+  static constexpr int kBytes = kVTile + (kConverts ? kTileTokens * kVRowBytes : 0);
   static_assert(kEntryBytes % 16 == 0 && kRawRowBytes % 16 == 0 && kScores % 16 == 0 &&
-                kEntries % 16 == 0 && kRaw % 16 == 0 && kConverted % 16 == 0);
+                kEntries % 16 == 0 && kRaw % 16 == 0 && kVTile % 16 == 0 && kVRowBytes % 16 == 0);
+  static_assert(!kConverts || (kRawRowBytes % 128 == 64 && kRawRowBytes >= kEntryBytes));
+  static_assert(kBytes <= 232448, "more than sm_90's 227 KB of shared memory per block");
+  static_assert(kThreads >= kStages * kTileTokens, "the prologue gives one thread to each token");
 };
 
 __device__ __forceinline__ int64_t min64(int64_t x, int64_t y) { return x < y ? x : y; }
@@ -124,8 +157,9 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+template <int kPending>  // waits until at most the kPending most recent groups are in flight
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 // Four 8x8 matrices of 16-bit elements; lanes 8i..8i+7 give the row addresses of matrix i, which
@@ -205,7 +239,8 @@ __device__ __forceinline__ uint32_t mul_elems(uint32_t x, uint32_t y) {
 // A code s.eeee.mmm placed with its sign at the sign bit and eeee.mmm at the top of the exponent
 // and mantissa fields of a bf16 (f16) is a bf16 (f16) of value v * 2^-120 (v * 2^-8), subnormal
 // codes included; one multiply by 2^120 (2^8) makes it v exactly. The NaN codes (low 7 bits all
-// ones) are rare and patched after.
+// ones) come out as +-480; they are rare, and patched after (e4m3x8_exact) or tracked
+// (qk_tile_raw).
 
 // Two codes, each in the high byte of a 16-bit half of h.
 template <ActType kElem>
@@ -225,23 +260,65 @@ __device__ __forceinline__ uint32_t patch_nan_codes(uint32_t v, uint32_t h) {
   return (v & ~mask) | (nan & mask);
 }
 
-__device__ __forceinline__ bool has_nan_code(uint32_t codes4) {
-  return (((codes4 & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u) != 0;
+// Bit 7 of byte i is set where code i is a NaN (the other bits are noise): or-ed over many words,
+// then tested with & 0x80808080.
+__device__ __forceinline__ uint32_t nan_code_bits(uint32_t codes4) {
+  return (codes4 & 0x7F7F7F7Fu) + 0x01010101u;
 }
 
-// Eight codes (the first in the lowest byte) as eight elements (16 bytes).
+__device__ __forceinline__ bool has_nan_code(uint32_t codes4) {
+  return (nan_code_bits(codes4) & 0x80808080u) != 0;
+}
+
+#if __CUDA_ARCH__ >= 890
+// sm_89+: the hardware converter, one instruction per pair (E4M3 -> f16 is exact, NaN stays NaN).
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint16_t codes) {  // first code lowest
+  uint32_t d;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(d) : "h"(codes));
+  return d;
+}
+#endif
+
+// Whether e4m3x8_placed turns NaN codes into NaN by itself (the hardware converter); the bit
+// placement turns them into +-480 instead.
+template <ActType kElem>
+__device__ __forceinline__ constexpr bool placed_keeps_nan() {
+#if __CUDA_ARCH__ >= 890
+  return kElem == ActType::kF16;
+#else
+  return false;
+#endif
+}
+
+// Eight codes (the first in the lowest byte) as eight elements (16 bytes), exact except that NaN
+// codes are +-480 where placed_keeps_nan is false.
+template <ActType kElem>
+__device__ __forceinline__ uint4 e4m3x8_placed(uint2 codes) {
+#if __CUDA_ARCH__ >= 890
+  if constexpr (kElem == ActType::kF16) {
+    return make_uint4(e4m3x2_to_f16x2(uint16_t(codes.x)), e4m3x2_to_f16x2(uint16_t(codes.x >> 16)),
+                      e4m3x2_to_f16x2(uint16_t(codes.y)), e4m3x2_to_f16x2(uint16_t(codes.y >> 16)));
+  } else
+#endif
+  {
+    return make_uint4(e4m3x2_exact<kElem>(__byte_perm(codes.x, 0, 0x1404)),
+                      e4m3x2_exact<kElem>(__byte_perm(codes.x, 0, 0x3424)),
+                      e4m3x2_exact<kElem>(__byte_perm(codes.y, 0, 0x1404)),
+                      e4m3x2_exact<kElem>(__byte_perm(codes.y, 0, 0x3424)));
+  }
+}
+
+// Eight codes as eight elements, exactly (NaN codes patched, a rare branch).
 template <ActType kElem>
 __device__ __forceinline__ uint4 e4m3x8_exact(uint2 codes) {
-  const uint32_t h[4] = {__byte_perm(codes.x, 0, 0x1404), __byte_perm(codes.x, 0, 0x3424),
-                         __byte_perm(codes.y, 0, 0x1404), __byte_perm(codes.y, 0, 0x3424)};
-  uint32_t v[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] = e4m3x2_exact<kElem>(h[i]);
-  if (has_nan_code(codes.x) || has_nan_code(codes.y)) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = patch_nan_codes<kElem>(v[i], h[i]);
+  uint4 v = e4m3x8_placed<kElem>(codes);
+  if (!placed_keeps_nan<kElem>() && (has_nan_code(codes.x) || has_nan_code(codes.y))) {
+    v = make_uint4(patch_nan_codes<kElem>(v.x, __byte_perm(codes.x, 0, 0x1404)),
+                   patch_nan_codes<kElem>(v.y, __byte_perm(codes.x, 0, 0x3424)),
+                   patch_nan_codes<kElem>(v.z, __byte_perm(codes.y, 0, 0x1404)),
+                   patch_nan_codes<kElem>(v.w, __byte_perm(codes.y, 0, 0x3424)));
   }
-  return make_uint4(v[0], v[1], v[2], v[3]);
+  return v;
 }
 
 // Eight f16 values rounded to bf16.
@@ -276,8 +353,44 @@ __device__ __forceinline__ Scales load_scales(const DecodeAttention& a) {
 
 // ---- The pieces of the main kernel ----
 
-// The 16 x 576 query tile of rows row0.. of sequence b, in the MMA element type.
-template <ActType kElem>
+// ---- QK^T over a 1-byte cache, straight from the raw tile ----
+//
+// Lane (g, c) of the warp owning tokens 8w.. takes token 8w + g and, per 64-column block j, 16
+// columns of it with one 16-byte shared load: R_c = 64j + [16c, 16c + 16) for codes (one 16-byte
+// load), R_c = 512 + [8c, 8c + 8) + [32 + 8c, 40 + 8c) for the 64 bf16 k_pe of ds_mla (two
+// loads, chosen so that they too hit distinct banks). Converted in registers, the 8 words of R_c
+// are the B fragments of the block's 4 k-steps: k-step s takes b0 = R_c[4s, 4s + 1], b1 =
+// R_c[4s + 2, 4s + 3], i.e. MMA column 16s + 2c + e holds R_c[4s + e] and 16s + 8 + 2c + e holds
+// R_c[4s + 2 + e]. A dot product does not care about the order of its terms, so Q is stored in
+// that same order (mma_column) and QK^T needs neither ldmatrix on K nor a converted K tile.
+
+// The MMA column (in the Q tile) of query column k, for the 1-byte formats.
+template <CacheFormat kFormat>
+__host__ __device__ constexpr int mma_column(int k) {
+  const int j = k / 64, r = k % 64;
+  const bool pe = kFormat == CacheFormat::kFp8DsMla && j == kLatent / 64;
+  const int c = pe ? r % 32 / 8 : r / 16;          // the quad lane holding column k
+  const int n = pe ? r / 32 * 8 + r % 8 : r % 16;  // its place in R_c
+  return 64 * j + 16 * (n / 4) + 8 * (n / 2 % 2) + 2 * c + n % 2;
+}
+
+template <CacheFormat kFormat>
+constexpr bool mma_column_is_a_pair_preserving_permutation() {
+  bool hit[kEntry] = {};
+  for (int k = 0; k < kEntry; ++k) {
+    const int m = mma_column<kFormat>(k);
+    if (m < 0 || m >= kEntry || hit[m] || (k % 2 == 1 && m != mma_column<kFormat>(k - 1) + 1))
+      return false;
+    hit[m] = true;
+  }
+  return true;
+}
+static_assert(mma_column_is_a_pair_preserving_permutation<CacheFormat::kFp8>() &&
+              mma_column_is_a_pair_preserving_permutation<CacheFormat::kFp8DsMla>());
+
+// The 16 x 576 query tile of rows row0.. of sequence b, in the MMA element type; for the 1-byte
+// formats in the column order of mma_column (pairs of columns stay together).
+template <CacheFormat kFormat, ActType kElem>
 __device__ void load_q(const DecodeAttention& a, int64_t b, int64_t row0, uint8_t* q_tile) {
   constexpr int kChunks = kEntry / 8;  // 8 elements each
   const int64_t rows = a.rows();
@@ -295,7 +408,15 @@ __device__ void load_q(const DecodeAttention& a, int64_t b, int64_t row0, uint8_
         if (kElem == ActType::kBF16 && a.q_type == QType::kF16) v = f16x8_to_bf16(v);
       }
     }
-    *reinterpret_cast<uint4*>(q_tile + r * kRowBytes + chunk * 16) = v;
+    uint8_t* q_row = q_tile + r * kRowBytes;
+    if constexpr (Layout<kFormat>::kConverts) {
+      const uint32_t pairs[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        *reinterpret_cast<uint32_t*>(q_row + 2 * mma_column<kFormat>(chunk * 8 + 2 * i)) = pairs[i];
+    } else {
+      *reinterpret_cast<uint4*>(q_row + chunk * 16) = v;
+    }
   }
 }
 
@@ -332,59 +453,27 @@ __device__ __forceinline__ void load_tile(const uint8_t* const* entries, uint8_t
   cp_async_commit();
 }
 
-// Converts a landed fp8 tile into the MMA layout. A zero-filled row converts to zeros (codes 0,
-// scales 0).
-template <CacheFormat kFormat, ActType kElem>
-__device__ __forceinline__ void convert_tile(const uint8_t* raw, uint8_t* tile) {
-  if constexpr (kFormat == CacheFormat::kFp8) {
-    constexpr int kGroups = kEntry / 8;  // 8 codes each
-    for (int c = threadIdx.x; c < kTileTokens * kGroups; c += kThreads) {
-      const int token = c / kGroups, group = c - token * kGroups;
-      const uint2 codes = *reinterpret_cast<const uint2*>(raw + token * kEntry + group * 8);
-      *reinterpret_cast<uint4*>(tile + token * kRowBytes + group * 16) = e4m3x8_exact<kElem>(codes);
-    }
-  } else {
-    static_assert(kFormat == CacheFormat::kFp8DsMla && kElem == ActType::kBF16);
-    constexpr int kGroups = kLatent / 8;
-    for (int c = threadIdx.x; c < kTileTokens * kGroups; c += kThreads) {
-      const int token = c / kGroups, group = c - token * kGroups;
-      const uint8_t* entry = raw + token * kDsMlaEntryBytes;
-      const float scale =
-          *reinterpret_cast<const float*>(entry + kDsMlaScaleOffset + 4 * (group * 8 / kDsMlaTile));
-      const uint32_t scale2 = pack_elems<kElem>(scale, scale);  // exact for a power of two
-      uint4 v = e4m3x8_exact<kElem>(*reinterpret_cast<const uint2*>(entry + group * 8));
-      v = make_uint4(mul_elems<kElem>(v.x, scale2), mul_elems<kElem>(v.y, scale2),
-                     mul_elems<kElem>(v.z, scale2), mul_elems<kElem>(v.w, scale2));
-      *reinterpret_cast<uint4*>(tile + token * kRowBytes + group * 16) = v;
-    }
-    constexpr int kPeChunks = 2 * kRope / 16;  // k_pe is bf16 already
-    for (int c = threadIdx.x; c < kTileTokens * kPeChunks; c += kThreads) {
-      const int token = c / kPeChunks, chunk = c - token * kPeChunks;
-      *reinterpret_cast<uint4*>(tile + token * kRowBytes + 2 * kLatent + chunk * 16) =
-          *reinterpret_cast<const uint4*>(raw + token * kDsMlaEntryBytes + kDsMlaPeOffset + chunk * 16);
-    }
-  }
-}
-
 // This thread's place in the MMA fragments and the lengths its two rows see.
 struct Lane {
   int warp, lane, g, c;   // g = lane / 4 (fragment row), c = lane % 4 (fragment column pair)
   int64_t visible[2];     // tokens seen by rows g and g + 8 of the tile
 };
 
-// Base-2 logits of the 16 rows x this warp's 8 tokens into `scores`; -inf where the token is
-// masked or not visible to the row.
+// The Q fragments' ldmatrix address: matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15), in the order
+// a[0..3]; k-step k is at + 32k.
+__device__ __forceinline__ uint32_t q_fragment_addr(const Lane& t, const uint8_t* q_tile) {
+  return smem_addr(q_tile) + ((t.lane & 7) + ((t.lane >> 3) & 1) * 8) * kRowBytes + (t.lane >> 4) * 16;
+}
+
+// QK^T of the 16 rows x this warp's 8 tokens over a 16-bit tile, into four accumulators (k-step k
+// into acc[k % 4]: the 36-step dependency chain is cut to 9).
 template <ActType kElem>
-__device__ __forceinline__ void qk_logits(const Lane& t, const uint8_t* q_tile, const uint8_t* kv,
-                                          const uint8_t* const* entries, int64_t tile_first,
-                                          float logit_scale, float* scores) {
-  // A: matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15), in the order a[0..3].
-  const uint32_t q_addr =
-      smem_addr(q_tile) + ((t.lane & 7) + ((t.lane >> 3) & 1) * 8) * kRowBytes + (t.lane >> 4) * 16;
+__device__ __forceinline__ void qk_tile(const Lane& t, const uint8_t* q_tile, const uint8_t* kv,
+                                        float (&acc)[4][4]) {
+  const uint32_t q_addr = q_fragment_addr(t, q_tile);
   // B: matrices (the warp's 8 tokens) x (k 0-7, 8-15, 16-23, 24-31): b0, b1 of two k-steps.
   const uint32_t k_addr =
       smem_addr(kv) + (t.warp * kTokensPerWarp + (t.lane & 7)) * kRowBytes + (t.lane >> 3) * 16;
-  float acc[4][4] = {};  // four independent accumulation chains, summed at the end
 #pragma unroll
   for (int k = 0; k < kQkSteps; k += 2) {
     uint32_t kb[4], qa[2][4];
@@ -394,8 +483,78 @@ __device__ __forceinline__ void qk_logits(const Lane& t, const uint8_t* q_tile, 
     mma_16816<kElem>(acc[k & 3], qa[0], kb[0], kb[1]);
     mma_16816<kElem>(acc[(k & 3) + 1], qa[1], kb[2], kb[3]);
   }
+}
+
+// The same over a raw 1-byte tile (the order of the comment above mma_column): each lane converts
+// its token's columns as it goes (the conversion interleaves with the MMAs, no pass of its own,
+// no barrier) and stores the 512 latent values once into the V tile, in natural column order,
+// for P.V. A zero-filled row gives zeros (codes 0, scales 0). Returns whether this lane's columns
+// hold a NaN code where the conversion does not keep NaN: the loop stays free of branches, and
+// write_logits makes that token's logits NaN, as a NaN in K would (its +-480 stand-ins in the V
+// tile are never seen: every row that sees the token gets p = NaN, and a row that does not never
+// reads it).
+template <CacheFormat kFormat, ActType kElem>
+__device__ __forceinline__ bool qk_tile_raw(const Lane& t, const uint8_t* q_tile, const uint8_t* raw,
+                                            uint8_t* v_tile, float (&acc)[4][4]) {
+  using L = Layout<kFormat>;
+  constexpr bool kDsMla = kFormat == CacheFormat::kFp8DsMla;
+  const int token = t.warp * kTokensPerWarp + t.g;
+  const uint8_t* row = raw + token * L::kRawRowBytes;
+  uint8_t* v_row = v_tile + token * L::kVRowBytes;
+  const uint32_t q_addr = q_fragment_addr(t, q_tile);
+  uint32_t nan_bits = 0;
+  uint32_t scale2[kLatent / kDsMlaTile];  // ds_mla: the token's tile scales as element pairs
+  if constexpr (kDsMla) {
+    const float4 s = *reinterpret_cast<const float4*>(row + kDsMlaScaleOffset);
+    scale2[0] = pack_elems<kElem>(s.x, s.x), scale2[1] = pack_elems<kElem>(s.y, s.y);  // exact for
+    scale2[2] = pack_elems<kElem>(s.z, s.z), scale2[3] = pack_elems<kElem>(s.w, s.w);  // powers of 2
+  }
+#pragma unroll
+  for (int j = 0; j < kEntry / 64; ++j) {
+    uint32_t b[8];
+    if (kDsMla && j == kLatent / 64) {  // k_pe: bf16 already
+      const uint4 lo = *reinterpret_cast<const uint4*>(row + kDsMlaPeOffset + 16 * t.c);
+      const uint4 hi = *reinterpret_cast<const uint4*>(row + kDsMlaPeOffset + 64 + 16 * t.c);
+      b[0] = lo.x, b[1] = lo.y, b[2] = lo.z, b[3] = lo.w, b[4] = hi.x, b[5] = hi.y, b[6] = hi.z, b[7] = hi.w;
+    } else {
+      const uint4 codes = *reinterpret_cast<const uint4*>(row + 64 * j + 16 * t.c);
+      uint4 lo = e4m3x8_placed<kElem>(make_uint2(codes.x, codes.y));
+      uint4 hi = e4m3x8_placed<kElem>(make_uint2(codes.z, codes.w));
+      if (!placed_keeps_nan<kElem>())
+        nan_bits |= nan_code_bits(codes.x) | nan_code_bits(codes.y) | nan_code_bits(codes.z) |
+                    nan_code_bits(codes.w);
+      if constexpr (kDsMla) {  // columns 64j + 16c.. share the scale of tile j / 2
+        const uint32_t sc = scale2[j / 2];
+        lo = make_uint4(mul_elems<kElem>(lo.x, sc), mul_elems<kElem>(lo.y, sc),
+                        mul_elems<kElem>(lo.z, sc), mul_elems<kElem>(lo.w, sc));
+        hi = make_uint4(mul_elems<kElem>(hi.x, sc), mul_elems<kElem>(hi.y, sc),
+                        mul_elems<kElem>(hi.z, sc), mul_elems<kElem>(hi.w, sc));
+      }
+      if (j < kLatent / 64) {
+        *reinterpret_cast<uint4*>(v_row + 2 * (64 * j + 16 * t.c)) = lo;
+        *reinterpret_cast<uint4*>(v_row + 2 * (64 * j + 16 * t.c) + 16) = hi;
+      }
+      b[0] = lo.x, b[1] = lo.y, b[2] = lo.z, b[3] = lo.w, b[4] = hi.x, b[5] = hi.y, b[6] = hi.z, b[7] = hi.w;
+    }
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      uint32_t qa[4];
+      ldmatrix_x4(qa, q_addr + (4 * j + s) * 32);
+      mma_16816<kElem>(acc[s], qa, b[2 * s], b[2 * s + 1]);
+    }
+  }
+  return (nan_bits & 0x80808080u) != 0;
+}
+
+// Base-2 logits of the 16 rows x this warp's 8 tokens into `scores`; -inf where the token is
+// masked or not visible to the row, NaN where visible and lanes 4i..4i + 3 of nan_lanes flag the
+// warp's token i (qk_tile_raw).
+__device__ __forceinline__ void write_logits(const Lane& t, const float (&acc)[4][4],
+                                             uint32_t nan_lanes, const uint8_t* const* entries,
+                                             int64_t tile_first, float logit_scale, float* scores) {
   const int token = t.warp * kTokensPerWarp + 2 * t.c;
   const bool loaded[2] = {entries[token] != nullptr, entries[token + 1] != nullptr};
+  const bool nan[2] = {((nan_lanes >> (8 * t.c)) & 0xFu) != 0, ((nan_lanes >> (8 * t.c + 4)) & 0xFu) != 0};
 #pragma unroll
   for (int h = 0; h < 2; ++h) {  // rows g and g + 8
     float v[2];
@@ -403,7 +562,8 @@ __device__ __forceinline__ void qk_logits(const Lane& t, const uint8_t* q_tile, 
     for (int e = 0; e < 2; ++e) {
       const int i = 2 * h + e;
       const bool seen = loaded[e] && tile_first + token + e < t.visible[h];
-      v[e] = seen ? ((acc[0][i] + acc[1][i]) + (acc[2][i] + acc[3][i])) * logit_scale : -INFINITY;
+      const float logit = ((acc[0][i] + acc[1][i]) + (acc[2][i] + acc[3][i])) * logit_scale;
+      v[e] = !seen ? -INFINITY : nan[e] ? NAN : logit;
     }
     *reinterpret_cast<float2*>(scores + (t.g + 8 * h) * kScoreStride + token) = make_float2(v[0], v[1]);
   }
@@ -473,14 +633,15 @@ __device__ __forceinline__ void softmax_tile(const Lane& t, const float* scores,
 // Tokens [lo, hi) of the tile (tile-relative) are seen by some rows of the CTA and not by others.
 // Their values are added here, in float32, to the rows that see them (p rounded as the MMA would
 // round it), then zeroed in this warp's columns of the V tile so that the MMA adds nothing for
-// them (each warp reads only its own columns of V after the logits are complete).
-template <ActType kElem>
+// them (each warp reads only its own columns of V after the logits are complete). V rows are
+// kVRow bytes apart.
+template <ActType kElem, int kVRow>
 __device__ void add_partly_seen(const Lane& t, int lo, int hi, int64_t tile_first,
                                 const float* scores, const float (&offset)[2], uint8_t* kv,
                                 float (&out)[kOutBlocks][4]) {
   for (int token = lo; token < hi; ++token) {
     const uint16_t* v =
-        reinterpret_cast<const uint16_t*>(kv + token * kRowBytes) + t.warp * kColsPerWarp;
+        reinterpret_cast<const uint16_t*>(kv + token * kVRow) + t.warp * kColsPerWarp;
     bool seen[2];
     float p[2];
 #pragma unroll
@@ -503,24 +664,24 @@ __device__ void add_partly_seen(const Lane& t, int lo, int hi, int64_t tile_firs
   __syncwarp();
   for (int token = lo; token < hi; ++token)
     for (int i = t.lane; i < kColsPerWarp / 2; i += 32)  // 4 bytes each
-      *reinterpret_cast<uint32_t*>(kv + token * kRowBytes + t.warp * kColsPerWarp * 2 + 4 * i) = 0;
+      *reinterpret_cast<uint32_t*>(kv + token * kVRow + t.warp * kColsPerWarp * 2 + 4 * i) = 0;
   __syncwarp();
 }
 
-// out[16 x this warp's 64 columns] += P[16 x 64] V[64 x 64].
-template <ActType kElem>
+// out[16 x this warp's 64 columns] += P[16 x 64] V[64 x 64], V rows kVRow bytes apart.
+template <ActType kElem, int kVRow>
 __device__ __forceinline__ void pv_accumulate(const Lane& t, const uint32_t (&p)[kPvSteps][4],
                                               const uint8_t* kv, float (&out)[kOutBlocks][4]) {
   // Transposed matrices (tokens 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15) of each
   // 16-token x 16-column block: b0, b1 of n-block 2j, then of n-block 2j + 1.
-  const uint32_t v_addr = smem_addr(kv) + ((t.lane & 7) + ((t.lane >> 3) & 1) * 8) * kRowBytes +
+  const uint32_t v_addr = smem_addr(kv) + ((t.lane & 7) + ((t.lane >> 3) & 1) * 8) * kVRow +
                           (t.warp * kColsPerWarp + (t.lane >> 4) * 8) * 2;
 #pragma unroll
   for (int k = 0; k < kPvSteps; ++k)
 #pragma unroll
     for (int j = 0; j < kOutBlocks / 2; ++j) {
       uint32_t vb[4];
-      ldmatrix_x4_trans(vb, v_addr + k * 16 * kRowBytes + j * 32);
+      ldmatrix_x4_trans(vb, v_addr + k * 16 * kVRow + j * 32);
       mma_16816<kElem>(out[2 * j], p[k], vb[0], vb[1]);
       mma_16816<kElem>(out[2 * j + 1], p[k], vb[2], vb[3]);
     }
@@ -592,40 +753,61 @@ __device__ void attend(const DecodeAttention& a, int64_t b, const Scales& scales
     t.visible[h] = r < rows ? a.visible_len(len, r / a.heads) : seen_by_any;
   }
 
+  constexpr int kStages = L::kStages;
   uint8_t* q_tile = smem + L::kQ;
   float* scores = reinterpret_cast<float*>(smem + L::kScores);
-  const uint8_t** entries = reinterpret_cast<const uint8_t**>(smem + L::kEntries);  // [tile % 2][token]
+  // [tile % kStages][token]
+  const uint8_t** entries = reinterpret_cast<const uint8_t**>(smem + L::kEntries);
   uint8_t* raw = smem + L::kRaw;
 
   __syncthreads();  // this CTA's previous sequence is done with the shared memory
-  load_q<kElem>(a, b, w.row0, q_tile);
-  if (threadIdx.x < 2 * kTileTokens)
+  load_q<kFormat, kElem>(a, b, w.row0, q_tile);
+  if (threadIdx.x < kStages * kTileTokens)
     entries[threadIdx.x] = tile_token_entry(a, w, threadIdx.x / kTileTokens, threadIdx.x % kTileTokens);
   __syncthreads();
-  if (w.n_tiles > 0) load_tile<kFormat>(entries, raw);
+  // Tiles 0 .. kStages - 2 in flight, one commit group each (empty past the last tile, so that
+  // the wait in the loop counts the same way at the end).
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < w.n_tiles)
+      load_tile<kFormat>(entries + s * kTileTokens, raw + s * L::kRawTileBytes);
+    else
+      cp_async_commit();
+  }
 
   float out[kOutBlocks][4] = {};
   RowState state;
+  int slot = 0;  // tile % kStages: its stage and its entries
   for (int64_t tile = 0; tile < w.n_tiles; ++tile) {
-    const int slot = int(tile & 1);
-    cp_async_wait_all();
-    __syncthreads();  // tile has landed, and every warp is done with tile - 1
-    if (tile + 1 < w.n_tiles)
-      load_tile<kFormat>(entries + (slot ^ 1) * kTileTokens, raw + (slot ^ 1) * L::kRawTileBytes);
-    // The entries of tile + 2, looked up now so that their latency hides behind this tile's math.
-    const uint8_t* entry_after_next =
-        threadIdx.x < kTileTokens ? tile_token_entry(a, w, tile + 2, int(threadIdx.x)) : nullptr;
-    uint8_t* kv = raw + slot * L::kRawTileBytes;
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // tile has landed, and every warp is done with tile - 1 (its stage, V tile)
+    // Tile + kStages - 1 goes to the stage of tile - 1.
+    const int ahead = slot == 0 ? kStages - 1 : slot - 1;
+    if (tile + kStages - 1 < w.n_tiles)
+      load_tile<kFormat>(entries + ahead * kTileTokens, raw + ahead * L::kRawTileBytes);
+    else
+      cp_async_commit();
+    // The entries of tile + kStages, looked up now so that their latency hides behind this
+    // tile's math.
+    const uint8_t* entry_ahead =
+        threadIdx.x < kTileTokens ? tile_token_entry(a, w, tile + kStages, int(threadIdx.x)) : nullptr;
+    uint8_t* stage = raw + slot * L::kRawTileBytes;
+    uint8_t* kv;  // the V tile
+    float acc[4][4] = {};
+    uint32_t nan_lanes = 0;
     if constexpr (L::kConverts) {
-      uint8_t* converted = smem + L::kConverted;
-      convert_tile<kFormat, kElem>(kv, converted);
-      __syncthreads();
-      kv = converted;
+      kv = smem + L::kVTile;
+      nan_lanes = __ballot_sync(0xFFFFFFFFu, qk_tile_raw<kFormat, kElem>(t, q_tile, stage, kv, acc));
+    } else {
+      kv = stage;
+      qk_tile<kElem>(t, q_tile, kv, acc);
     }
     const int64_t tile_first = w.first + tile * kTileTokens;
-    qk_logits<kElem>(t, q_tile, kv, entries + slot * kTileTokens, tile_first, scales.logit, scores);
-    __syncthreads();  // the 16 x 64 logits are complete; this slot's entries are no longer read
-    if (threadIdx.x < kTileTokens) entries[slot * kTileTokens + threadIdx.x] = entry_after_next;
+    write_logits(t, acc, nan_lanes, entries + slot * kTileTokens, tile_first, scales.logit, scores);
+    // The 16 x 64 logits (and a 1-byte format's V tile) are complete; this slot's entries are no
+    // longer read.
+    __syncthreads();
+    if (threadIdx.x < kTileTokens) entries[slot * kTileTokens + threadIdx.x] = entry_ahead;
 
     uint32_t p[kPvSteps][4];
     float offset[2];
@@ -633,9 +815,11 @@ __device__ void attend(const DecodeAttention& a, int64_t b, const Scales& scales
     const int64_t partly_lo = max64(seen_by_all, tile_first);
     const int64_t partly_hi = min64(seen_by_any, tile_first + kTileTokens);
     if (partly_lo < partly_hi)
-      add_partly_seen<kElem>(t, int(partly_lo - tile_first), int(partly_hi - tile_first), tile_first,
-                             scores, offset, kv, out);
-    pv_accumulate<kElem>(t, p, kv, out);
+      add_partly_seen<kElem, L::kVRowBytes>(t, int(partly_lo - tile_first),
+                                            int(partly_hi - tile_first), tile_first, scores, offset,
+                                            kv, out);
+    pv_accumulate<kElem, L::kVRowBytes>(t, p, kv, out);
+    slot = slot + 1 == kStages ? 0 : slot + 1;
   }
   write_rows(a, w, t, scales, state, out);
 }
@@ -731,10 +915,13 @@ ffi::Error launch_attention(cudaStream_t stream, const DecodeAttention& a, dim3 
   return ffi::Error::Success();
 }
 
-// The MMA element type: f16 where q is f16 and the cache's values are exact in f16 (an f16 cache,
-// E4M3 codes), bf16 otherwise (ds_mla values and k_pe need bf16's range).
+// The MMA element type: f16 where both q and the cache's values are exact in f16 (f16 q over an
+// f16 or plain fp8 cache; E4M3 q, which comes with the plain fp8 cache: E4M3 x E4M3 products are
+// exact either way, and sm_89+ converts E4M3 to f16 in hardware), bf16 otherwise (bf16 q; ds_mla
+// values and k_pe need bf16's range).
 ActType mma_type(const DecodeAttention& a) {
-  const bool f16 = a.q_type == QType::kF16 && a.cache_format != CacheFormat::kFp8DsMla;
+  const bool f16 = a.q_type == QType::kE4m3 ||
+                   (a.q_type == QType::kF16 && a.cache_format != CacheFormat::kFp8DsMla);
   return f16 ? ActType::kF16 : ActType::kBF16;
 }
 
