@@ -246,6 +246,46 @@ def test_multi_token_decode_matches_reference(fmt, seed):
     run.check_untouched()
 
 
+@pytest.mark.parametrize("fmt, seed", [("bf16", 41), ("fp8_ds_mla", 42)])
+def test_packed_prefill_matches_reference(fmt, seed):
+    """The three prompts' first chunks packed into one call (cu_seqlens, padded to 32 tokens, a
+    trailing empty sequence), then the 19-token prompt's second chunk with its context: each token
+    must see only its own sequence."""
+    run = Run(fmt, False, seed, attention_block=8)
+    firsts = [(seq, chunks[0]) for seq, chunks in CHUNKS.items()]
+    total = sum(n for _, n in firsts)
+    pad = 2 * CHUNK_PAD
+    positions = np.zeros(pad, np.int32)
+    slots = np.full(pad, -1, np.int32)
+    x = jnp.zeros((pad, HIDDEN), run.config.dtype)
+    cu, at = [0], 0
+    for seq, n in firsts:
+        positions[at : at + n] = np.arange(n)
+        slots[at : at + n] = [run.slot(seq, p) for p in range(n)]
+        x = x.at[at : at + n].set(run.xs[seq, :n])
+        at += n
+        cu.append(at)
+    cu.append(at)  # an empty trailing sequence: S is bucketed
+    got = run.step("prefill", x, jnp.asarray(positions), jnp.asarray(slots), cu_seqlens=jnp.asarray(cu, jnp.int32))
+    run.written += list(slots[:total])
+    for (seq, n), start in zip(firsts, cu):
+        np.testing.assert_allclose(got[start : start + n], run.expected[seq, :n], rtol=0, atol=TOLERANCE[fmt], err_msg=f"packed seq {seq}")
+    # The second chunk of sequence 2, as one packed sequence with its cached context.
+    seq, (first, n) = 2, CHUNKS[2]
+    positions = np.zeros(CHUNK_PAD, np.int32)
+    positions[:n] = np.arange(first, first + n)
+    slots = np.full(CHUNK_PAD, -1, np.int32)
+    slots[:n] = [run.slot(seq, p) for p in range(first, first + n)]
+    x = run.pad_x.at[:n].set(run.xs[seq, first : first + n])
+    got = run.step(
+        "prefill", x, jnp.asarray(positions), jnp.asarray(slots), cu_seqlens=jnp.asarray([0, n], jnp.int32),
+        block_table=jnp.asarray(run.tables[seq : seq + 1]), context_len=jnp.asarray([first], jnp.int32),
+    )
+    run.written += list(slots[:n])
+    np.testing.assert_allclose(got[:n], run.expected[seq, first : first + n], rtol=0, atol=TOLERANCE[fmt], err_msg="second chunk")
+    run.check_untouched()
+
+
 # ---- the compiled HLO --------------------------------------------------------------------------
 
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<type>.+?) (?P<op>[\w\-]+)\((?P<args>[^)]*)\)(?P<attrs>.*)$")
