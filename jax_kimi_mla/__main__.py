@@ -1,4 +1,4 @@
-"""``python -m jax_kimi_mla``: check every op variant against the reference, and time both.
+"""``python -m jax_kimi_mla``: check every op (epilogues, decode attention, context gather) against the reference, and time both.
 
 For each variant and shape the FFI op and its jnp reference run from identical inputs (cache
 and, with RoPE in prefill, q donated). Every output is compared in float32, NaN-safe; fp8
@@ -41,6 +41,9 @@ CPU_MAX_PREFILL_TOKEN_HEADS = 1024 * 96
 # mla_decode_attention: (B, context, H, S_q) per format; every sequence at the full context.
 ATTENTION_SHAPES = [(1, 4096, 12, 1), (64, 4096, 12, 1), (16, 2048, 12, 2), (8, 1024, 128, 1)]
 QUICK_ATTENTION_SHAPES = [(2, 256, 12, 1), (2, 128, 12, 2)]
+GATHER_SHAPES = [(1, 4096), (16, 4096), (64, 16384)]  # (B, context)
+QUICK_GATHER_SHAPES = [(2, 256)]
+CPU_MAX_GATHER_TOKENS = 16 * 4096
 CPU_MAX_ATTENTION_WORK = 2 * 4096 * 12  # B x context x H x S_q beyond this is slow on the CPU
 # Against the float32 reference: the GPU rounds probabilities to bf16 before the weighted sum,
 # the output is bf16 (tests/test_decode_attention.py explains these).
@@ -133,6 +136,44 @@ def check_and_time_attention(fmt: str, batch: int, context: int, heads: int, q_t
     return dict(err=err, ok=ok, ffi_s=_time(ffi_step, args), ref_s=_time(ref_step, args))
 
 
+def _gather_step(fn, fmt: str):
+    def call(cache, tables, lens, cache_scale_inv):
+        return fn(cache, tables, lens, ds_mla=fmt == "fp8_ds_mla", cache_scale_inv=cache_scale_inv)
+
+    return jax.jit(call)
+
+
+def check_and_time_gather(fmt: str, batch: int, context: int, device) -> dict:
+    """gather_mla_cache on ``device`` against the reference on the CPU (one bf16 rounding of
+    the same float32 values; plain fp8 divides, which XLA may do as a product with the reciprocal:
+    one bf16 step), and both timed."""
+    _, cache, tables, lens, _, cache_scale_inv = attention_inputs(fmt, batch, context, 1)
+    args = [cache, tables, lens, cache_scale_inv]
+    ffi_step, ref_step = _gather_step(ops.gather_mla_cache, fmt), _gather_step(reference.gather_mla_cache, fmt)
+    cpu = jax.devices("cpu")[0]
+    got = jax.device_put(ffi_step(*jax.device_put(args, device)), cpu).astype(jnp.float32)
+    with jax.default_device(cpu):
+        want = ref_step(*jax.device_put(args, cpu)).astype(jnp.float32)
+        err = float(jnp.max(jnp.abs(got - want)))
+        ok = bool(jnp.all(jnp.abs(got - want) <= 2.0**-7 * jnp.abs(want)))
+    args = jax.device_put(args, device)
+    return dict(err=err, ok=ok, ffi_s=_time(ffi_step, args), ref_s=_time(ref_step, args))
+
+
+def _report(row: str, check) -> bool:
+    """Runs one check-and-time, prints its line; True when it failed (or raised)."""
+    try:
+        r = check()
+    except Exception as e:  # report it and go on with the others
+        print(f"{row} {'':>10} ERROR  {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        traceback.print_exc(limit=3, file=sys.stderr)
+        return True
+    err = f"{r['err']:10.3g}" if math.isfinite(r["err"]) else f"{r['err']:>10}"
+    print(f"{row} {err} {'PASS' if r['ok'] else 'FAIL':6} {_fmt_time(r['ffi_s'])} {_fmt_time(r['ref_s'])}"
+          f" {r['ref_s'] / r['ffi_s']:6.1f}x", flush=True)
+    return not r["ok"]
+
+
 def _time(step, args, variant: Variant | None = None) -> float:
     donated = variant.donated if variant else {}
     start = time.perf_counter()
@@ -178,35 +219,24 @@ def main(argv=None) -> int:
                 if on_cpu and variant.phase == "prefill" and tokens * heads > CPU_MAX_PREFILL_TOKEN_HEADS:
                     skipped.append(f"{variant.name} {shape}")
                     continue
-                try:
-                    r = check_and_time(variant, tokens, heads, dtype)
-                except Exception as e:  # report it and go on with the other variants
-                    failures += 1
-                    print(f"{row} {'':>10} ERROR  {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-                    traceback.print_exc(limit=3, file=sys.stderr)
-                    continue
-                failures += not r["ok"]
-                err = f"{r['err']:10.3g}" if math.isfinite(r["err"]) else f"{r['err']:>10}"
-                print(f"{row} {err} {'PASS' if r['ok'] else 'FAIL':6} {_fmt_time(r['ffi_s'])} {_fmt_time(r['ref_s'])}"
-                      f" {r['ref_s'] / r['ffi_s']:6.1f}x", flush=True)
+                failures += _report(row, functools.partial(check_and_time, variant, tokens, heads, dtype))
         print("\nmla_decode_attention: every sequence at the full context, against the float32 reference")
         for batch, context, heads, q_tokens in QUICK_ATTENTION_SHAPES if opts.quick else ATTENTION_SHAPES:
             for fmt in CACHE_FORMATS:
                 shape = f"B={batch} ctx={context} H={heads}" + (f" S_q={q_tokens}" if q_tokens > 1 else "")
-                row = f"{'attend':8} {fmt:10} {'':4} {shape:13}"
                 if on_cpu and batch * context * heads * q_tokens > CPU_MAX_ATTENTION_WORK:
                     skipped.append(f"mla_decode_attention {fmt} {shape}")
                     continue
-                try:
-                    r = check_and_time_attention(fmt, batch, context, heads, q_tokens, device)
-                except Exception as e:  # report it and go on
-                    failures += 1
-                    print(f"{row} {'':>10} ERROR  {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-                    traceback.print_exc(limit=3, file=sys.stderr)
+                check = functools.partial(check_and_time_attention, fmt, batch, context, heads, q_tokens, device)
+                failures += _report(f"{'attend':8} {fmt:10} {'':4} {shape:13}", check)
+        print("\ngather_mla_cache: every sequence at the full context, bfloat16 out, against the reference")
+        for batch, context in QUICK_GATHER_SHAPES if opts.quick else GATHER_SHAPES:
+            for fmt in CACHE_FORMATS:
+                if on_cpu and batch * context > CPU_MAX_GATHER_TOKENS:
+                    skipped.append(f"gather_mla_cache {fmt} B={batch} ctx={context}")
                     continue
-                failures += not r["ok"]
-                print(f"{row} {r['err']:10.3g} {'PASS' if r['ok'] else 'FAIL':6} {_fmt_time(r['ffi_s'])} {_fmt_time(r['ref_s'])}"
-                      f" {r['ref_s'] / r['ffi_s']:6.1f}x", flush=True)
+                check = functools.partial(check_and_time_gather, fmt, batch, context, device)
+                failures += _report(f"{'gather':8} {fmt:10} {'':4} {f'B={batch} ctx={context}':13}", check)
     if skipped:
         print(f"\nskipped on CPU (too slow there, run on a GPU): {', '.join(skipped)}")
     if on_cpu:
