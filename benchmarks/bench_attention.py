@@ -71,6 +71,7 @@ SECTIONS = {
     "wide": "4. H = 128: compute",
     "reference": "5. Against the jnp reference",
     "layer": "6. Layer decode step",
+    "gather": "7. Context gather (gather_mla_cache)",
 }
 # Targets.
 MIN_CEILING_FRACTION = 0.85
@@ -79,6 +80,7 @@ MAX_SMALL_US = 6.0
 MIN_MATMUL_FRACTION = 0.5
 MIN_SPEEDUP = {"bf16": 6.0, "fp8_ds_mla": 10.0}
 MAX_LAYER_OVER_FLOOR = 1.5
+MIN_GATHER_CEILING_FRACTION = 0.85  # issue 11: at >= 64k context tokens
 
 FIELDS = [
     "section", "name", "cache_format", "heads", "batch", "context", "q_tokens", "bytes", "weight_bytes",
@@ -97,13 +99,15 @@ class Sizes:
     matmul: int = 8192
     hidden: int = 7168
     layer: tuple = (("bf16", 64, 16384), ("fp8_ds_mla", 64, 16384), ("bf16", 1, 4096), ("bf16", 128, 32768))
+    gather: tuple = ((16, 4096), (64, 16384), (1, 131072))  # B, context: 64k to 1M context tokens
     copy_bytes: int = COPY_BYTES
 
 
 FULL = Sizes()
 QUICK = Sizes(
     memory=((12,), (2,), (64, 128)), small=((1, 2), (64, 128)), point=(2, 64), wide=(128, 1, 64), matmul=512,
-    hidden=1024, layer=(("bf16", 2, 64), ("fp8_ds_mla", 2, 64), ("bf16", 1, 64)), copy_bytes=QUICK_COPY_BYTES,
+    hidden=1024, layer=(("bf16", 2, 64), ("fp8_ds_mla", 2, 64), ("bf16", 1, 64)), gather=((2, 128),),
+    copy_bytes=QUICK_COPY_BYTES,
 )
 
 
@@ -132,6 +136,7 @@ def cases(s: Sizes) -> list[Case]:
     out.append(Case("wide", "bf16", h, wb, wc))
     out += [Case("reference", f, HEADS, b, c) for f in TWO_FORMATS]
     out += [Case("layer", f, HEADS, lb, lc) for f, lb, lc in s.layer]
+    out += [Case("gather", f, 1, gb, gc) for gb, gc in s.gather for f in FORMATS]
     return out
 
 
@@ -160,6 +165,15 @@ def attention_step(fn, fmt: str):
     num_splits None: the op chooses."""
     return functools.partial(_attention_jit, fn, softmax_scale=layer.SOFTMAX_SCALE, ds_mla=fmt == "fp8_ds_mla",
                              num_splits=None)
+
+
+def gather_step(fn, fmt: str):
+    """``fn`` (the op or the reference) jitted on [kv_cache, block_tables, context_lens,
+    cache_scale_inv], bfloat16 out, num_tokens the tables' capacity (every sequence is full)."""
+    def call(cache, tables, lens, cache_scale_inv):
+        return fn(cache, tables, lens, ds_mla=fmt == "fp8_ds_mla", cache_scale_inv=cache_scale_inv)
+
+    return jax.jit(call)
 
 
 def layer_config(case: Case, hidden: int) -> layer.MLAConfig:
@@ -222,6 +236,18 @@ def measure_case(case: Case, sizes: Sizes, ceiling: float, matmul_tflops: float 
         op, error = timed(step, args, {6: 1})
         del args
         row["weight_bytes"], row["bytes"] = layer_bytes(case, sizes.hidden)
+    elif case.section == "gather":
+        _, *args, _, cache_scale_inv = attention_inputs(case, seed)
+        args.append(cache_scale_inv)
+        op, op_error = timed(gather_step(jax_kimi_mla.gather_mla_cache, case.fmt), args, {})
+        ref, ref_error = timed(gather_step(jax_kimi_mla.reference.gather_mla_cache, case.fmt), args, {})
+        del args
+        error = "; ".join(f"{who}: {e}" for who, e in (("op", op_error), ("reference", ref_error)) if e)
+        row |= _timing_columns("ref", ref)
+        # The valid rows read once (cache bytes), every output row written once (bf16).
+        row["bytes"] = case.batch * case.context * (CACHE_ROW_BYTES[case.fmt] + 2 * ENTRY)
+        if op is not None and ref is not None:
+            row["speedup"] = ref.seconds / op.seconds
     else:
         args = attention_inputs(case, seed)
         op, op_error = timed(attention_step(jax_kimi_mla.mla_decode_attention, case.fmt), args, {})
@@ -338,6 +364,11 @@ def target_lines(rows: list[dict], sizes: Sizes) -> list[str]:
           all(ds["op_us"] < bf["op_us"] for bf, ds in pairs),
           ", ".join(f"B={bf['batch']} ctx={bf['context']}: {ds['op_us']:.1f} vs {bf['op_us']:.1f} us"
                     for bf, ds in pairs))
+    gathers = [r for r in _ok(rows, "gather") if r["batch"] * r["context"] >= 65536]
+    judge(f"7. gather_mla_cache: every format >= {MIN_GATHER_CEILING_FRACTION:.0%} of the copy ceiling at >= 64k tokens",
+          gathers, all(r["ceiling_fraction"] >= MIN_GATHER_CEILING_FRACTION for r in gathers),
+          "; ".join(f"{f} {_span([r['ceiling_fraction'] for r in gathers if r['cache_format'] == f], '{:.0%}')}"
+                    for f in FORMATS if any(r["cache_format"] == f for r in gathers)))
     return lines
 
 
