@@ -137,16 +137,20 @@ class Run:
         assert self.cache.unsafe_buffer_pointer() == pointer, "the donated cache was not updated in place"
         return np.asarray(out.astype(jnp.float32))
 
-    def prefill_chunk(self, seq, start, n):
+    def prefill_chunk(self, seq, start, n, packed=False):
+        """Tokens [start, start + n) of sequence seq, after its cached context; ``packed``: passed
+        as the one sequence of a packed (cu_seqlens) call."""
         positions = np.zeros(CHUNK_PAD, np.int32)
         positions[:n] = np.arange(start, start + n)
         slots = np.full(CHUNK_PAD, -1, np.int32)
         slots[:n] = [self.slot(seq, p) for p in range(start, start + n)]
         x = self.pad_x.at[:n].set(self.xs[seq, start : start + n])
-        out = self.step(
-            "prefill", x, jnp.asarray(positions), jnp.asarray(slots),
-            block_table=jnp.asarray(self.tables[seq]), context_len=jnp.int32(start),
-        )
+        if packed:
+            context = dict(cu_seqlens=jnp.asarray([0, n], jnp.int32), block_table=jnp.asarray(self.tables[seq : seq + 1]),
+                           context_len=jnp.asarray([start], jnp.int32))
+        else:
+            context = dict(block_table=jnp.asarray(self.tables[seq]), context_len=jnp.int32(start))
+        out = self.step("prefill", x, jnp.asarray(positions), jnp.asarray(slots), **context)
         self.written += list(slots[:n])
         return out[:n]
 
@@ -272,17 +276,8 @@ def test_packed_prefill_matches_reference(fmt, seed):
         np.testing.assert_allclose(got[start : start + n], run.expected[seq, :n], rtol=0, atol=TOLERANCE[fmt], err_msg=f"packed seq {seq}")
     # The second chunk of sequence 2, as one packed sequence with its cached context.
     seq, (first, n) = 2, CHUNKS[2]
-    positions = np.zeros(CHUNK_PAD, np.int32)
-    positions[:n] = np.arange(first, first + n)
-    slots = np.full(CHUNK_PAD, -1, np.int32)
-    slots[:n] = [run.slot(seq, p) for p in range(first, first + n)]
-    x = run.pad_x.at[:n].set(run.xs[seq, first : first + n])
-    got = run.step(
-        "prefill", x, jnp.asarray(positions), jnp.asarray(slots), cu_seqlens=jnp.asarray([0, n], jnp.int32),
-        block_table=jnp.asarray(run.tables[seq : seq + 1]), context_len=jnp.asarray([first], jnp.int32),
-    )
-    run.written += list(slots[:n])
-    np.testing.assert_allclose(got[:n], run.expected[seq, first : first + n], rtol=0, atol=TOLERANCE[fmt], err_msg="second chunk")
+    got = run.prefill_chunk(seq, first, n, packed=True)
+    np.testing.assert_allclose(got, run.expected[seq, first : first + n], rtol=0, atol=TOLERANCE[fmt], err_msg="second chunk")
     run.check_untouched()
 
 
