@@ -1,6 +1,8 @@
-"""The public epilogue ops: check the arguments, then one XLA FFI call with the cache aliased.
+"""The public ops: check the arguments, then one XLA FFI call. The epilogues write the paged
+cache (aliased to their output, so updated in place); the readers (``mla_decode_attention``,
+``gather_mla_cache``, at the end) only read it.
 
-In place: every op returns the new cache as an output aliased to the ``kv_cache`` input
+In place: every epilogue returns the new cache as an output aliased to the ``kv_cache`` input
 (``input_output_aliases``), and with RoPE the prefill ops alias the returned ``q`` to the input
 ``q`` as well. XLA then writes into the caller's buffer when the caller donates it::
 
