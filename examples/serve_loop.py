@@ -3,9 +3,11 @@
 A toy language model: token embedding -> a stack of MLA layers (``jax_kimi_mla.layer``, residual
 around each) -> RMSNorm -> logits through the tied embedding -> greedy next token. Requests with
 different prompt lengths wait in a queue. Every scheduler step admits waiting requests while a
-batch row and enough cache blocks are free (their prompts are prefilled in fixed-size chunks, one
-compile), then decodes one token for every running request in a fixed-size batch whose empty rows
-are padding (slot -1). A finished request hands its blocks back and the next one takes its row.
+batch row and enough cache blocks are free, runs one packed prefill call (the next chunks of every
+request still prefilling, packed back to back with ``cu_seqlens``, each attending to its own
+cached context: one compile for any mix), then decodes one token for every request whose prompt
+is done, in a fixed-size batch whose empty rows are padding (slot -1). A finished request hands
+its blocks back and the next one takes its row.
 
     python examples/serve_loop.py
     python examples/serve_loop.py --layers 8 --hidden 4096 --heads 16 --requests 64 --batch 32 \\
@@ -59,6 +61,7 @@ class Request:
     max_new_tokens: int
     blocks: list = field(default_factory=list)
     generated: list = field(default_factory=list)
+    prefilled: int = 0  # prompt tokens in the cache
 
     @property
     def length(self):
@@ -84,14 +87,15 @@ def make_steps(config, cos_sin_cache):
         logits = h32.astype(config.dtype) @ params["embed"].T
         return jnp.argmax(logits, -1).astype(jnp.int32)
 
-    @functools.partial(jax.jit, donate_argnums=6)
-    def prefill(params, tokens, positions, slots, block_table, context_len, kv_cache, last):
+    @functools.partial(jax.jit, donate_argnums=7)
+    def prefill(params, tokens, positions, slots, cu_seqlens, block_tables, context_lens, kv_cache):
         step = functools.partial(mla.prefill, config=config)
         h, kv_cache = mla.scan_layers(
             step, params["layers"], params["embed"][tokens], kv_cache, positions, slots,
-            block_table=block_table, context_len=context_len, cos_sin_cache=cos_sin_cache,
+            cu_seqlens=cu_seqlens, block_table=block_tables, context_len=context_lens, cos_sin_cache=cos_sin_cache,
         )
-        return next_token(params, h[last]), kv_cache
+        # The token after each sequence's last packed token (meaningful when that ends its prompt).
+        return next_token(params, h[jnp.maximum(cu_seqlens[1:] - 1, 0)]), kv_cache
 
     @functools.partial(jax.jit, donate_argnums=6)
     def decode(params, tokens, positions, slots, block_tables, context_lens, kv_cache):
@@ -127,20 +131,30 @@ class Server:
         t[: len(req.blocks)] = req.blocks
         return t
 
-    def prefill(self, req):
-        """The prompt in chunks of --chunk tokens, each attending to the chunks before it."""
-        c = self.args.chunk
-        for start in range(0, len(req.prompt), c):
-            n = min(c, len(req.prompt) - start)
-            tokens = np.zeros(c, np.int32)
-            tokens[:n] = req.prompt[start : start + n]
-            positions = np.arange(start, start + c, dtype=np.int32)
-            slots = np.full(c, -1, np.int32)
-            slots[:n] = self.slots(req, start, n)
-            token, self.kv_cache = self.prefill_step(
-                self.params, tokens, positions, slots, self.table(req), np.int32(start), self.kv_cache, n - 1
-            )
-        req.generated.append(int(token))
+    def prefill(self, prefilling):
+        """One packed call: the next chunk (up to --chunk tokens each, --chunk * --batch in all)
+        of every request still prefilling, each after the part of its prompt already cached.
+        A request whose prompt ends in this call gets its first generated token."""
+        b, c = self.args.batch, self.args.chunk
+        tokens, positions, slots = np.zeros(b * c, np.int32), np.zeros(b * c, np.int32), np.full(b * c, -1, np.int32)
+        tables, context = np.zeros((b, self.max_blocks), np.int32), np.zeros(b, np.int32)
+        cu, packed = [0], []
+        for req in prefilling[:b]:
+            start, n = req.prefilled, min(c, len(req.prompt) - req.prefilled)
+            at = cu[-1]
+            tokens[at : at + n] = req.prompt[start : start + n]
+            positions[at : at + n] = np.arange(start, start + n)
+            slots[at : at + n] = self.slots(req, start, n)
+            tables[len(packed)], context[len(packed)] = self.table(req), start
+            cu.append(at + n)
+            packed.append((req, n))
+        cu += [cu[-1]] * (b + 1 - len(cu))  # trailing empty sequences: one compile
+        out, self.kv_cache = self.prefill_step(self.params, tokens, positions, slots, np.asarray(cu, np.int32), tables, context, self.kv_cache)
+        for i, (req, n) in enumerate(packed):
+            req.prefilled += n
+            if req.prefilled == len(req.prompt):
+                req.generated.append(int(out[i]))
+        return sum(n for _, n in packed)
 
     def decode(self, running):
         """One token for each running request; rows past len(running) are padding."""
@@ -165,15 +179,15 @@ class Server:
                 if blocks is None:
                     break  # wait for a running request to finish
                 req.blocks = blocks
-                waiting.pop(0)
-                t = time.perf_counter()
-                self.prefill(req)
-                stats["prefill_s"] += time.perf_counter() - t
-                stats["prefill_tokens"] += len(req.prompt)
-                running.append(req)
+                running.append(waiting.pop(0))
             if not running:
                 raise RuntimeError(f"request {waiting[0].id} needs more cache blocks than the cache has")
-            decoding = [r for r in running if not r.done()]
+            prefilling = [r for r in running if r.prefilled < len(r.prompt)]
+            if prefilling:
+                t = time.perf_counter()
+                stats["prefill_tokens"] += self.prefill(prefilling)
+                stats["prefill_s"] += time.perf_counter() - t
+            decoding = [r for r in running if r.prefilled == len(r.prompt) and not r.done()]
             if decoding:
                 t = time.perf_counter()
                 self.decode(decoding)
@@ -189,7 +203,7 @@ class Server:
     def warm_up(self):
         """Compiles both steps on a throwaway request, so the timings below exclude compiling."""
         req = Request(-1, np.zeros(1, np.int32), 1, blocks=self.allocator.allocate(1))
-        self.prefill(req)
+        self.prefill([req])
         self.decode([req])
         self.allocator.release(req.blocks)
         jax.block_until_ready(self.kv_cache)
@@ -217,7 +231,7 @@ def parse_args(argv=None):
     p.add_argument("--max-prompt", type=int, default=80)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--batch", type=int, default=4, help="decode batch rows")
-    p.add_argument("--chunk", type=int, default=32, help="prefill chunk length")
+    p.add_argument("--chunk", type=int, default=32, help="prefill tokens per request per step")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
