@@ -13,12 +13,16 @@ its blocks back and the next one takes its row.
     python examples/serve_loop.py --layers 8 --hidden 4096 --heads 16 --requests 64 --batch 32 \\
         --num-blocks 1024 --cache-format fp8_ds_mla
 
-Prints the tokens per second of prefill, decode and overall (compile time excluded).
+Prints the tokens per second of prefill, decode and overall (compile time excluded), then checks
+every generated token against the same model run without cache or fused ops (float32, the whole
+sequence at once): it must be that model's greedy choice, up to a small margin (PASS, or an
+AssertionError).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 import time
@@ -78,14 +82,18 @@ def init_model(key, config, num_layers, vocab):
     return {"embed": embed, "layers": mla.init_params(k_layers, config, num_layers)}
 
 
+def logits_of(params, h, config):
+    """Logits through the tied embedding of RMS-normed hidden states h [..., hidden] (float32)."""
+    h32 = h.astype(jnp.float32)
+    h32 = h32 * jax.lax.rsqrt(jnp.mean(h32 * h32, -1, keepdims=True) + config.rms_norm_eps)
+    return h32.astype(config.dtype).astype(jnp.float32) @ params["embed"].astype(jnp.float32).T
+
+
 def make_steps(config, cos_sin_cache):
     """Jitted prefill-chunk and decode steps of the whole model, the cache donated."""
 
     def next_token(params, h):
-        h32 = h.astype(jnp.float32)
-        h32 = h32 * jax.lax.rsqrt(jnp.mean(h32 * h32, -1, keepdims=True) + config.rms_norm_eps)
-        logits = h32.astype(config.dtype) @ params["embed"].T
-        return jnp.argmax(logits, -1).astype(jnp.int32)
+        return jnp.argmax(logits_of(params, h, config), -1).astype(jnp.int32)
 
     @functools.partial(jax.jit, donate_argnums=7)
     def prefill(params, tokens, positions, slots, cu_seqlens, block_tables, context_lens, kv_cache):
@@ -115,7 +123,7 @@ class Server:
         self.config = mla.MLAConfig(hidden_size=args.hidden, num_heads=args.heads, cache_format=args.cache_format)
         max_len = args.max_prompt + args.max_new_tokens
         self.max_blocks = math.ceil(max_len / args.block_size)
-        cos_sin = jax_kimi_mla.make_cos_sin_cache(max_len) if args.rope else None
+        self.cos_sin = cos_sin = jax_kimi_mla.make_cos_sin_cache(max_len) if args.rope else None
         self.params = init_model(jax.random.key(args.seed), self.config, args.layers, args.vocab)
         self.kv_cache = mla.allocate_cache(self.config, args.num_blocks, args.block_size, args.layers)
         self.allocator = BlockAllocator(args.num_blocks)
@@ -209,6 +217,37 @@ class Server:
         jax.block_until_ready(self.kv_cache)
 
 
+@functools.partial(jax.jit, static_argnames=("config",))
+def reference_logits(params, tokens, cos_sin_cache, *, config):
+    """The model without any cache or fused op: float32 layers (``layer.reference_attention``,
+    residual around each) over a whole sequence -> logits [len(tokens), vocab]."""
+    h = params["embed"][tokens].astype(jnp.float32)
+    positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    for i in range(jax.tree.leaves(params["layers"])[0].shape[0]):
+        layer_params = jax.tree.map(lambda a, i=i: a[i], params["layers"])
+        h = h + mla.reference_attention(layer_params, h, positions, config=config, cos_sin_cache=cos_sin_cache)
+    return logits_of(params, h, config)
+
+
+def check_against_reference(server, finished, margin):
+    """Every generated token must be a greedy choice of the reference model, up to ``margin``
+    (in units of the logits' standard deviation): the served path rounds to bf16 and quantizes
+    its cache, so an exact argmax tie-break cannot be asked for. Returns the worst shortfall."""
+    ref_config = dataclasses.replace(server.config, cache_format="bf16")
+    ref_params = {"embed": server.params["embed"], "layers": {k: v for k, v in server.params["layers"].items() if k != "fp8_scale_inv"}}
+    worst = 0.0
+    for req in finished:
+        fed = np.concatenate([req.prompt, np.asarray(req.generated[:-1], np.int32)])
+        logits = np.asarray(reference_logits(ref_params, jnp.asarray(fed), server.cos_sin, config=ref_config))
+        rows = logits[len(req.prompt) - 1 :]  # the positions whose next token was generated
+        chosen = rows[np.arange(len(req.generated)), req.generated]
+        shortfall = (rows.max(-1) - chosen) / rows.std(-1)
+        worst = max(worst, float(shortfall.max()))
+    if worst > margin:
+        raise AssertionError(f"a served token is {worst:.3f} std below the reference's best logit (margin {margin})")
+    return worst
+
+
 def make_requests(args):
     """Random prompts of random lengths; each request wants between a quarter of and all of
     --max-new-tokens, so requests finish at different steps."""
@@ -235,6 +274,8 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--check-margin", type=float, default=0.25,
+                   help="the check at the end: how far (in logit std) a served token may fall below the reference's best")
     return p.parse_args(argv)
 
 
@@ -254,6 +295,8 @@ def main(argv=None):
     print(f"prefill: {stats['prefill_tokens']} tokens, {stats['prefill_tokens'] / stats['prefill_s']:.0f} tokens/s")
     print(f"decode:  {stats['decode_tokens']} tokens, {stats['decode_tokens'] / stats['decode_s']:.0f} tokens/s")
     print(f"overall: {(stats['prefill_tokens'] + stats['decode_tokens']) / total_s:.0f} tokens/s")
+    worst = check_against_reference(server, finished, args.check_margin)
+    print(f"check: every generated token is the reference model's greedy choice within {worst:.3f} logit std (margin {args.check_margin}): PASS")
 
 
 if __name__ == "__main__":
