@@ -211,3 +211,17 @@ def test_cuda_128_heads(fmt):
     got = to_numpy(jitted(jax_kimi_mla, fmt)(put(a, "cuda")))
     check_against_reference(fmt, got, run_reference(fmt, a), True, a["slot_mapping"])
     check_untouched_rows(got[-1], a["kv_cache"], a["slot_mapping"])
+
+
+@pytest.mark.parametrize("gain", (1.7, 0.3))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_scaled_cos_sin_tables(backend, fmt, gain):
+    """A table whose rows are not unit rotations (YaRN folds its mscale into cos and sin): no op
+    may assume cos^2 + sin^2 = 1; each rotates by the table's values, as the reference does."""
+    a = make_case(Case(fmt, 7, 3, rope=True, seed=17))
+    a["cos_sin_cache"] = (a["cos_sin_cache"] * np.float32(gain)).astype(np.float32)
+    pristine = a["kv_cache"].copy()
+    want = run_reference(fmt, a)
+    got = run_op(fmt, "jit", put(a, backend))
+    check_against_reference(fmt, got, want, True, a["slot_mapping"])
+    check_untouched_rows(got[-1], pristine, a["slot_mapping"])
