@@ -118,6 +118,26 @@ inline const uint16_t* act_ptr(const ffi::AnyBuffer& b) {
 
 }  // namespace detail
 
+// A strided view of rows [T, H, width]: row (t, h) starts at data + t * per_token + h * per_head
+// (elements; per_head = 0 shares one row among all heads).
+template <typename T>
+struct Strided {
+  T* data = nullptr;
+  int64_t per_token = 0, per_head = 0;
+  Strided offset(int64_t columns) const { return {data + columns, per_token, per_head}; }
+};
+
+// A RowSpec from its named parts: where its nope and pe chunks come from, where it goes.
+inline RowSpec row_spec(const RowShape& shape, Strided<const uint16_t> nope, Strided<const uint16_t> pe,
+                        Strided<void> out, const float* scale_inv) {
+  RowSpec r;
+  r.nope = nope.data, r.nope_t = nope.per_token, r.nope_h = nope.per_head, r.nope_chunks = shape.nope_chunks;
+  r.pe = pe.data, r.pe_t = pe.per_token, r.pe_h = pe.per_head, r.pe_chunks = shape.pe_chunks;
+  r.out = out.data, r.out_t = out.per_token, r.out_h = out.per_head;
+  r.scale_inv = scale_inv;
+  return r;
+}
+
 // Operand order (Python's _ffi passes the same):
 //   prefill:  q, k_nope, k_pe, kv_c_normed, [v], kv_cache, slot_mapping, positions, cos_sin_cache,
 //             [q_scale_inv, k_scale_inv, v_scale_inv, cache_scale_inv]  -> k | q_fp8, q | k_fp8,
@@ -216,6 +236,9 @@ inline ffi::Error make_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets r
   struct Source {
     const uint16_t* data;
     int64_t width;
+    Strided<const uint16_t> per_head() const { return {data, heads * width, width}; }
+    Strided<const uint16_t> per_token() const { return {data, width, 0}; }  // shared by all heads
+    int64_t heads;
   };
   auto source = [&](const ffi::AnyBuffer& x, int64_t lead, int64_t need, const char* col_attr,
                     const char* what) {
@@ -230,38 +253,34 @@ inline ffi::Error make_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets r
     ck.expect(x.element_type() == act && width % kChunk == 0 && col % kChunk == 0 && col >= 0 &&
                   col + need <= width && x.element_count() == size_t(lead * width),
               what);
-    return Source{detail::act_ptr(x) + col, width};
+    return Source{detail::act_ptr(x) + col, width, H};
   };
+  // An output [T, H, width] of `type`, its rows as a strided view.
   auto output = [&](const ffi::AnyBuffer& x, ffi::DataType type, int64_t width) {
     ck.expect(x.element_type() == type && x.element_count() == size_t(T * H * width),
               "an output has the wrong dtype or shape");
-    return x.untyped_data();
+    return Strided<void>{x.untyped_data(), H * width, width};
   };
   const Source kp = source(k_pe, T, kRope, "k_pe_col", "k_pe must be [T, 64] or [T, 1, 64]");
-  e.cache = {detail::act_ptr(kv_c), kLatent, 0, kLatent / kChunk,
-             kp.data, kp.width, 0, kRopeChunks,
-             cache_out.untyped_data(), entry, 0, nullptr};
+  e.cache = row_spec({kLatent / kChunk, kRopeChunks}, {detail::act_ptr(kv_c), kLatent, 0}, kp.per_token(),
+                     {cache_out.untyped_data(), entry, 0}, nullptr);
   plan.copy_unless_aliased(cache, cache_out);
 
   const auto scale = [&](int i) { return static_cast<const float*>(scales[i].untyped_data()); };
   // The next head row: its chunk counts come from the op's shape.
-  const auto add_row = [&](const uint16_t* nope, int64_t nope_t, int64_t nope_h, const uint16_t* pe,
-                           int64_t pe_t, int64_t pe_h, void* out, int64_t out_t, int64_t out_h,
+  const auto add_row = [&](Strided<const uint16_t> nope, Strided<const uint16_t> pe, Strided<void> out,
                            const float* scale_inv) {
-    const RowShape& rs = shape.rows[e.num_head_rows];
-    e.head_rows[e.num_head_rows++] = {nope,      nope_t, nope_h, rs.nope_chunks, pe,   pe_t,
-                                      pe_h,      rs.pe_chunks,   out,            out_t, out_h,
-                                      scale_inv};
+    e.head_rows[e.num_head_rows] = row_spec(shape.rows[e.num_head_rows], nope, pe, out, scale_inv);
+    ++e.num_head_rows;
   };
   if (op == Op::prefill_kv_cache || op == Op::prefill_ds_mla) {
     const Source kn = source(b, T * H, kNope, "k_nope_col", "k_nope must be [T, H, 128]");
-    add_row(kn.data, H * kn.width, kn.width, kp.data, kp.width, 0, output(out[0], act, kQkHead),
-            H * kQkHead, kQkHead, nullptr);
+    add_row(kn.per_head(), kp.per_token(), output(out[0], act, kQkHead), nullptr);  // k
     if (rope) {  // q[..., 128:] rotated in place
       const Source q = source(a, T * H, kQkHead, nullptr, "q must be [T, H, 192]");
-      auto* q_out = static_cast<uint16_t*>(output(out[1], act, kQkHead));
-      add_row(nullptr, 0, 0, q.data + kNope, H * kQkHead, kQkHead, q_out + kNope, H * kQkHead,
-              kQkHead, nullptr);
+      const Strided<void> q_out = output(out[1], act, kQkHead);
+      add_row({}, q.per_head().offset(kNope), {static_cast<uint16_t*>(q_out.data) + kNope, q_out.per_token, q_out.per_head},
+              nullptr);
       plan.copy_unless_aliased(a, out[1]);
     } else {
       ck.expect(a.element_count() == 0 && out[1].element_count() == 0,
@@ -272,20 +291,16 @@ inline ffi::Error make_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets r
     const Source kn = source(b, T * H, kNope, "k_nope_col", "k_nope must be [T, H, 128]");
     const Source vs = source(*v, T * H, kVHead, "v_col", "v must be [T, H, 128]");
     const ffi::DataType f8 = ffi::DataType::F8E4M3FN;
-    add_row(q.data, H * kQkHead, kQkHead, q.data + kNope, H * kQkHead, kQkHead,
-            output(out[0], f8, kQkHead), H * kQkHead, kQkHead, scale(0));
-    add_row(kn.data, H * kn.width, kn.width, kp.data, kp.width, 0, output(out[1], f8, kQkHead),
-            H * kQkHead, kQkHead, scale(1));
-    add_row(vs.data, H * vs.width, vs.width, nullptr, 0, 0, output(out[2], f8, kVHead),
-            H * kVHead, kVHead, scale(2));
+    add_row(q.per_head(), q.per_head().offset(kNope), output(out[0], f8, kQkHead), scale(0));  // q_fp8
+    add_row(kn.per_head(), kp.per_token(), output(out[1], f8, kQkHead), scale(1));  // k_fp8
+    add_row(vs.per_head(), {}, output(out[2], f8, kVHead), scale(2));  // v_fp8
     e.cache.scale_inv = scale(3);
   } else {
     const Source ql = source(a, T * H, kLatent, nullptr, "ql_nope must be [B, H, 512]");
     const Source qp = source(b, T * H, kRope, "q_pe_col", "q_pe must be [B, H, 64]");
     const bool fp8 = op == Op::decode_fp8;
-    add_row(ql.data, H * ql.width, ql.width, qp.data, H * qp.width, qp.width,
-            output(out[0], fp8 ? ffi::DataType::F8E4M3FN : act, kEntry), H * kEntry, kEntry,
-            fp8 ? scale(0) : nullptr);
+    add_row(ql.per_head(), qp.per_head(), output(out[0], fp8 ? ffi::DataType::F8E4M3FN : act, kEntry),
+            fp8 ? scale(0) : nullptr);  // mqa_q
     if (fp8) e.cache.scale_inv = scale(1);
   }
   if (!ck.ok()) return ck.error();
