@@ -151,31 +151,6 @@ def attention_bytes(case: Case) -> int:
     return _workloads.attention_bytes(case.fmt, case.batch, case.context, case.heads, case.q_tokens)
 
 
-def _attention(fn, mqa_q, kv_cache, block_tables, context_lens, q_scale_inv, cache_scale_inv, *,
-               softmax_scale, ds_mla, num_splits):
-    return fn(mqa_q, kv_cache, block_tables, context_lens, softmax_scale=softmax_scale, ds_mla=ds_mla,
-              q_scale_inv=q_scale_inv, cache_scale_inv=cache_scale_inv, num_splits=num_splits)
-
-
-_attention_jit = jax.jit(_attention, static_argnums=0, static_argnames=("softmax_scale", "ds_mla", "num_splits"))
-
-
-def attention_step(fn, fmt: str):
-    """``fn`` (the op or the reference) jitted on attention_inputs' list, the static keywords bound;
-    num_splits None: the op chooses."""
-    return functools.partial(_attention_jit, fn, softmax_scale=layer.SOFTMAX_SCALE, ds_mla=fmt == "fp8_ds_mla",
-                             num_splits=None)
-
-
-def gather_step(fn, fmt: str):
-    """``fn`` (the op or the reference) jitted on [kv_cache, block_tables, context_lens,
-    cache_scale_inv], bfloat16 out, num_tokens the tables' capacity (every sequence is full)."""
-    def call(cache, tables, lens, cache_scale_inv):
-        return fn(cache, tables, lens, ds_mla=fmt == "fp8_ds_mla", cache_scale_inv=cache_scale_inv)
-
-    return jax.jit(call)
-
-
 def layer_config(case: Case, hidden: int) -> layer.MLAConfig:
     return layer.MLAConfig(hidden_size=hidden, num_heads=case.heads, q_lora_rank=Q_LORA_RANK, cache_format=case.fmt)
 
@@ -239,8 +214,8 @@ def measure_case(case: Case, sizes: Sizes, ceiling: float, matmul_tflops: float 
     elif case.section == "gather":
         _, *args, _, cache_scale_inv = attention_inputs(case, seed)
         args.append(cache_scale_inv)
-        op, op_error = timed(gather_step(jax_kimi_mla.gather_mla_cache, case.fmt), args, {})
-        ref, ref_error = timed(gather_step(jax_kimi_mla.reference.gather_mla_cache, case.fmt), args, {})
+        op, op_error = timed(_workloads.gather_step(jax_kimi_mla.gather_mla_cache, case.fmt), args, {})
+        ref, ref_error = timed(_workloads.gather_step(jax_kimi_mla.reference.gather_mla_cache, case.fmt), args, {})
         del args
         error = "; ".join(f"{who}: {e}" for who, e in (("op", op_error), ("reference", ref_error)) if e)
         row |= _timing_columns("ref", ref)
@@ -250,8 +225,8 @@ def measure_case(case: Case, sizes: Sizes, ceiling: float, matmul_tflops: float 
             row["speedup"] = ref.seconds / op.seconds
     else:
         args = attention_inputs(case, seed)
-        op, op_error = timed(attention_step(jax_kimi_mla.mla_decode_attention, case.fmt), args, {})
-        ref, ref_error = timed(attention_step(jax_kimi_mla.reference.mla_decode_attention, case.fmt), args, {})
+        op, op_error = timed(_workloads.attention_step(jax_kimi_mla.mla_decode_attention, case.fmt), args, {})
+        ref, ref_error = timed(_workloads.attention_step(jax_kimi_mla.reference.mla_decode_attention, case.fmt), args, {})
         del args
         error = "; ".join(f"{who}: {e}" for who, e in (("op", op_error), ("reference", ref_error)) if e)
         row |= _timing_columns("ref", ref)

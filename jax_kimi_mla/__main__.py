@@ -23,9 +23,8 @@ import jax.numpy as jnp
 
 from . import ops, reference
 from ._profile import wall_time_per_call
-from ._workloads import VARIANTS, Variant, attention_inputs, fresh_copy, run
+from ._workloads import VARIANTS, Variant, attention_inputs, attention_step, fresh_copy, gather_step, run
 from .formats import CACHE_FORMATS
-from .layer import SOFTMAX_SCALE
 from .numerics import ds_mla_dequantize
 
 # (tokens, heads): tokens is the decode batch B or the prefill length T. Kimi-K3 has 96 heads,
@@ -112,18 +111,11 @@ def check_and_time(variant: Variant, tokens: int, heads: int, dtype) -> dict:
     return dict(err=err, ok=ok, ffi_s=_time(ffi_step, ffi_args, variant), ref_s=_time(ref_step, ref_args, variant))
 
 
-def _attention_step(fn, fmt: str):
-    def call(q, cache, tables, lens, q_scale_inv, cache_scale_inv):
-        return fn(q, cache, tables, lens, softmax_scale=SOFTMAX_SCALE, ds_mla=fmt == "fp8_ds_mla",
-                  q_scale_inv=q_scale_inv, cache_scale_inv=cache_scale_inv, return_lse=True)
-
-    return jax.jit(call)
-
-
 def check_and_time_attention(fmt: str, batch: int, context: int, heads: int, q_tokens: int, device) -> dict:
     """mla_decode_attention on ``device`` against the reference on the CPU, and both timed."""
     args = attention_inputs(fmt, batch, context, heads, q_tokens if q_tokens > 1 else None)
-    ffi_step, ref_step = _attention_step(ops.mla_decode_attention, fmt), _attention_step(reference.mla_decode_attention, fmt)
+    ffi_step = attention_step(ops.mla_decode_attention, fmt, return_lse=True)
+    ref_step = attention_step(reference.mla_decode_attention, fmt, return_lse=True)
     cpu = jax.devices("cpu")[0]
     got = jax.device_put(ffi_step(*jax.device_put(args, device)), cpu)
     with jax.default_device(cpu):
@@ -136,20 +128,13 @@ def check_and_time_attention(fmt: str, batch: int, context: int, heads: int, q_t
     return dict(err=err, ok=ok, ffi_s=_time(ffi_step, args), ref_s=_time(ref_step, args))
 
 
-def _gather_step(fn, fmt: str):
-    def call(cache, tables, lens, cache_scale_inv):
-        return fn(cache, tables, lens, ds_mla=fmt == "fp8_ds_mla", cache_scale_inv=cache_scale_inv)
-
-    return jax.jit(call)
-
-
 def check_and_time_gather(fmt: str, batch: int, context: int, device) -> dict:
     """gather_mla_cache on ``device`` against the reference on the CPU (one bf16 rounding of
     the same float32 values; plain fp8 divides, which XLA may do as a product with the reciprocal:
     one bf16 step), and both timed."""
     _, cache, tables, lens, _, cache_scale_inv = attention_inputs(fmt, batch, context, 1)
     args = [cache, tables, lens, cache_scale_inv]
-    ffi_step, ref_step = _gather_step(ops.gather_mla_cache, fmt), _gather_step(reference.gather_mla_cache, fmt)
+    ffi_step, ref_step = gather_step(ops.gather_mla_cache, fmt), gather_step(reference.gather_mla_cache, fmt)
     cpu = jax.devices("cpu")[0]
     got = jax.device_put(ffi_step(*jax.device_put(args, device)), cpu).astype(jnp.float32)
     with jax.default_device(cpu):

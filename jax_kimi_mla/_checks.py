@@ -337,10 +337,7 @@ def decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale,
     else:
         if q_scale_inv is not None or q_fp8:
             raise ValueError("an fp8 mqa_q (with q_scale_inv) reads only the plain fp8 cache, which needs cache_scale_inv")
-        if jnp.dtype(kv_cache.dtype) == UINT8:
-            raise TypeError("kv_cache is uint8 (an fp8_ds_mla cache?) but ds_mla=False; pass ds_mla=True")
-        if jnp.dtype(kv_cache.dtype) == FP8:
-            raise TypeError("kv_cache is float8_e4m3fn (the plain fp8 cache), which needs cache_scale_inv; it was not given")
+        _reader_cache_hints(kv_cache)
         fmt, why = "bf16", " of mqa_q"
     cache(kv_cache, CACHE_FORMATS[fmt], q.dtype, why)
     if q_fp8 != (q_scale_inv is not None):
@@ -376,6 +373,14 @@ class GatherCall:
     out_dtype: jnp.dtype
 
 
+def _reader_cache_hints(kv_cache) -> None:
+    """A reader called without ds_mla or cache_scale_inv on a cache whose dtype says it needs one."""
+    if jnp.dtype(kv_cache.dtype) == UINT8:
+        raise TypeError("kv_cache is uint8 (an fp8_ds_mla cache?) but ds_mla=False; pass ds_mla=True")
+    if jnp.dtype(kv_cache.dtype) == FP8:
+        raise TypeError("kv_cache is float8_e4m3fn (the plain fp8 cache), which needs cache_scale_inv; it was not given")
+
+
 def paged_tables(block_tables, context_lens, batch: int | None = None):
     """Checks block_tables [B, max_blocks] (B = ``batch`` when given: mqa_q's) and context_lens
     [B]; returns them (host int64 indices made int32)."""
@@ -402,10 +407,7 @@ def gather_cache(kv_cache, block_tables, context_lens, num_tokens, ds_mla, cache
     elif cache_scale_inv is not None:
         fmt, act, why = "fp8", None, ", as cache_scale_inv was given"
     else:
-        if jnp.dtype(kv_cache.dtype) == UINT8:
-            raise TypeError("kv_cache is uint8 (an fp8_ds_mla cache?) but ds_mla=False; pass ds_mla=True")
-        if jnp.dtype(kv_cache.dtype) == FP8:
-            raise TypeError("kv_cache is float8_e4m3fn (the plain fp8 cache), which needs cache_scale_inv; it was not given")
+        _reader_cache_hints(kv_cache)
         expect_dtype("kv_cache", kv_cache, ACT_DTYPES)
         fmt, act, why = "bf16", kv_cache.dtype, ""
     cache(kv_cache, CACHE_FORMATS[fmt], act, why)

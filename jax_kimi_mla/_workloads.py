@@ -24,7 +24,7 @@ import numpy as np
 
 from . import ops, reference
 from .formats import CACHE_FORMATS, ENTRY, EPILOGUES, Epilogue, L, P, R, V
-from .layer import FP8_SCALE_INV
+from .layer import FP8_SCALE_INV, SOFTMAX_SCALE
 from .numerics import E4M3_MAX, ds_mla_encode, make_cos_sin_cache, quantize_e4m3
 
 MAX_POSITION = 32768
@@ -302,6 +302,26 @@ def attention_inputs(fmt: str, batch: int, context: int, heads: int, q_tokens: i
     else:
         q, scales = q.astype(jnp.bfloat16), [None, None]
     return [q, random_cache(k_cache, fmt, num_blocks), jnp.asarray(tables), jnp.asarray(lens), *scales]
+
+
+def attention_step(fn, fmt: str, *, return_lse: bool = False):
+    """``fn`` (mla_decode_attention or its reference) jitted on attention_inputs' list
+    [mqa_q, kv_cache, block_tables, context_lens, q_scale_inv, cache_scale_inv]; the split count
+    is the op's choice."""
+    def call(q, cache, tables, lens, q_scale_inv, cache_scale_inv):
+        return fn(q, cache, tables, lens, softmax_scale=SOFTMAX_SCALE, ds_mla=fmt == "fp8_ds_mla",
+                  q_scale_inv=q_scale_inv, cache_scale_inv=cache_scale_inv, return_lse=return_lse)
+
+    return jax.jit(call)
+
+
+def gather_step(fn, fmt: str):
+    """``fn`` (gather_mla_cache or its reference) jitted on [kv_cache, block_tables, context_lens,
+    cache_scale_inv]: bfloat16 out, num_tokens the tables' capacity."""
+    def call(cache, tables, lens, cache_scale_inv):
+        return fn(cache, tables, lens, ds_mla=fmt == "fp8_ds_mla", cache_scale_inv=cache_scale_inv)
+
+    return jax.jit(call)
 
 
 def attention_bytes(fmt: str, batch: int, context: int, heads: int, q_tokens: int = 1) -> int:

@@ -193,6 +193,11 @@ ROWS_PER_CTA = 16  # query rows (S_q x heads) one CUDA block of the decode kerne
 DEFAULT_SM_COUNT = 132  # an H100/H200, when no GPU is visible at trace time
 
 
+def _reader_scale(scale_inv):
+    """A readers' optional scale operand: float32 [1], or [0] when there is none."""
+    return jnp.zeros((0,), jnp.float32) if scale_inv is None else jnp.reshape(scale_inv, (1,))
+
+
 def _sm_count() -> int:
     """Multiprocessors of the default GPU, or 0 when the default backend is not a GPU."""
     if jax.default_backend() != "gpu":
@@ -254,8 +259,7 @@ def mla_decode_attention(
     B, S, H = c.q.shape[:3]
     max_len = c.block_tables.shape[1] * c.kv_cache.shape[1]
     splits = c.num_splits or default_num_splits(B, S * H, max_len, _sm_count())
-    no_scale = jnp.zeros((0,), jnp.float32)
-    scales = [no_scale if s is None else jnp.reshape(s, (1,)) for s in (c.q_scale_inv, c.cache_scale_inv)]
+    scales = [_reader_scale(c.q_scale_inv), _reader_scale(c.cache_scale_inv)]
     partials = (splits * B * S * H * (_checks.L + 1),) if splits > 1 else (0,)
     # The FFI query is [B * S_q, H, 576]: the decode epilogue's mqa_q as it comes.
     out, lse, _ = _ffi.call(
@@ -300,10 +304,9 @@ def gather_mla_cache(kv_cache, block_tables, context_lens, *, num_tokens=None, d
       context = jax.jit(functools.partial(gather_mla_cache, num_tokens=4096))(kv_cache, block_tables, context_lens)
     """
     c = _checks.gather_cache(kv_cache, block_tables, context_lens, num_tokens, ds_mla, cache_scale_inv, out_dtype)
-    scale = jnp.zeros((0,), jnp.float32) if c.cache_scale_inv is None else jnp.reshape(c.cache_scale_inv, (1,))
     (out,) = _ffi.call(
         "gather_mla_cache",
-        [c.kv_cache, c.block_tables, c.context_lens, scale],
+        [c.kv_cache, c.block_tables, c.context_lens, _reader_scale(c.cache_scale_inv)],
         [jax.ShapeDtypeStruct((c.num_tokens, _checks.ENTRY), c.out_dtype)],
         {},
         {},
