@@ -2,7 +2,7 @@
 # Everything an H200 session runs, in one device call (the device has no network: it builds against
 # its preinstalled jax/jaxlib, nanobind and scikit-build-core):
 #   bash benchmarks/h200.sh [build] [test] [attn-test] [sanitize] [attn-sanitize] [selfcheck]
-#                           [bench] [bench-quick] [attn-bench] [attn-bench-quick] [ncu]
+#                           [bench] [bench-quick] [attn-bench] [attn-bench-quick] [ncu] [attn-ncu]
 # Logs and a tarball of benchmarks/results go to $OUT (or ./h200-out).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -67,6 +67,20 @@ for s in $stages; do
                   "decode_fp8_rope 4096 96" "prefill_bf16_nope 8192 96" "prefill_bf16_nope 8192 12" "decode_bf16_nope 1 12"; do
         stage "ncu-${case// /-}" ncu --clock-control none --kernel-name regex:epilogue_kernel --launch-skip 2 \
           --launch-count 1 --metrics "$metrics" python3 -P benchmarks/run_once.py $case
+      done ;;
+    attn-ncu)
+      # Nsight Compute counters of the decode attention kernel (the memory-bound grid and B = 1).
+      metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__inst_executed.sum
+      metrics=$metrics,smsp__issue_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread
+      metrics=$metrics,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed
+      metrics=$metrics,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum
+      metrics=$metrics,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
+      for stall in long_scoreboard barrier short_scoreboard mio_throttle lg_throttle math_pipe_throttle wait not_selected dispatch_stall; do
+        metrics=$metrics,smsp__average_warps_issue_stalled_${stall}_per_issue_active.ratio
+      done
+      for case in "bf16 64 16384 12" "fp8 64 16384 12" "fp8_ds_mla 64 16384 12" "bf16 1 4096 12"; do
+        stage "attn-ncu-${case// /-}" ncu --clock-control none --kernel-name regex:attention_kernel --launch-skip 2 \
+          --launch-count 1 --metrics "$metrics" python3 -P benchmarks/run_once.py attention $case
       done ;;
     *) echo "unknown stage $s"; status=1 ;;
   esac

@@ -96,7 +96,12 @@ constexpr int kCtasPerSm = 1;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kTileRows = 16;     // query rows per CTA: the M of mma.m16n8k16
 constexpr int kTileTokens = 64;   // tokens per K/V tile
-constexpr int kTokensPerWarp = kTileTokens / kWarps;  // 8: a warp's share of the logits (one n-block)
+// QK^T: warp w takes the 16 tokens of token group w % 4 (two n-blocks) over the columns of half
+// w / 4, with that half's Q fragments held in registers for the whole CTA (no Q re-read per
+// tile); the two halves' partial logits meet in shared memory.
+constexpr int kTokenGroups = 4;
+constexpr int kColumnHalves = kWarps / kTokenGroups;
+constexpr int kTokensPerGroup = kTileTokens / kTokenGroups;  // 16: two n-blocks
 constexpr int kColsPerWarp = kLatent / kWarps;        // 64: a warp's share of the output
 constexpr int kOutBlocks = kColsPerWarp / 8;          // 8 n-blocks of 8 output columns
 constexpr int kQkSteps = kEntry / 16;                 // 36 k-steps of QK^T
@@ -106,7 +111,8 @@ constexpr int kScoreStride = kTileTokens + 8;  // floats per logit row: float2 a
 constexpr int64_t kMaxGridYZ = 65535;
 constexpr int kCombineWarps = 8;
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
-static_assert(kTokensPerWarp == 8 && kOutBlocks % 2 == 0, "a warp's logits are one n-block");
+static_assert(kColumnHalves == 2 && kTokensPerGroup == 16 && kOutBlocks % 2 == 0,
+              "a warp's logits are two n-blocks of one column half");
 
 // Where everything lives in dynamic shared memory (byte offsets, all multiples of 16).
 template <CacheFormat kFormat>
@@ -129,8 +135,11 @@ struct Layout {
   // columns converted by QK^T (rows of 1024 + 16 bytes, ldmatrix conflict-free as kRowBytes).
   static constexpr int kVRowBytes = kConverts ? 2 * kLatent + 16 : kRowBytes;
   static constexpr int kQ = 0;                                        // [16][kRowBytes]
-  static constexpr int kScores = kQ + kTileRows * kRowBytes;          // float [16][kScoreStride]
-  static constexpr int kEntries = kScores + kTileRows * kScoreStride * 4;  // pointers [kStages][64]
+  // The first QK^T k-step of column half 1: 1-byte formats split at a 64-column block (5 | 4).
+  static constexpr int kHalfStep = kConverts ? 20 : kQkSteps / 2;
+  static constexpr int kQSteps = kHalfStep > kQkSteps - kHalfStep ? kHalfStep : kQkSteps - kHalfStep;
+  static constexpr int kScores = kQ + kTileRows * kRowBytes;  // float [half][16][kScoreStride]
+  static constexpr int kEntries = kScores + kColumnHalves * kTileRows * kScoreStride * 4;  // [kStages][64]
   static constexpr int kRaw = kEntries + kStages * kTileTokens * 8;   // [kStages][kRawTileBytes]
   static constexpr int kVTile = kRaw + kStages * kRawTileBytes;        // [64][kVRowBytes] (1-byte)
   static constexpr int kBytes = kVTile + (kConverts ? kTileTokens * kVRowBytes : 0);
@@ -436,19 +445,24 @@ __device__ __forceinline__ const uint8_t* tile_token_entry(const DecodeAttention
 }
 
 // Issues the cp.async copies of one tile (cache entries `entries`, null = zero-fill) into `raw`
-// as one commit group.
+// as one commit group. Four threads per token, each with one entry lookup and fixed offsets.
 template <CacheFormat kFormat>
 __device__ __forceinline__ void load_tile(const uint8_t* const* entries, uint8_t* raw) {
   using L = Layout<kFormat>;
   constexpr int kChunks = L::kEntryBytes / 16;
-  for (int c = threadIdx.x; c < kTileTokens * kChunks; c += kThreads) {
-    const int token = c / kChunks, chunk = c - token * kChunks;
-    uint8_t* dst = raw + token * L::kRawRowBytes + chunk * 16;
-    const uint8_t* entry = entries[token];
-    if (entry != nullptr)
-      cp_async16(dst, entry + chunk * 16);
-    else
-      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+  constexpr int kPerToken = kThreads / kTileTokens;
+  const int token = int(threadIdx.x) / kPerToken, part = int(threadIdx.x) % kPerToken;
+  const uint8_t* entry = entries[token];
+  uint8_t* dst = raw + token * L::kRawRowBytes;
+#pragma unroll
+  for (int i = 0; i < (kChunks + kPerToken - 1) / kPerToken; ++i) {
+    const int chunk = part + kPerToken * i;
+    if (kChunks % kPerToken == 0 || chunk < kChunks) {
+      if (entry != nullptr)
+        cp_async16(dst + 16 * chunk, entry + 16 * chunk);
+      else
+        *reinterpret_cast<uint4*>(dst + 16 * chunk) = make_uint4(0, 0, 0, 0);
+    }
   }
   cp_async_commit();
 }
@@ -456,117 +470,148 @@ __device__ __forceinline__ void load_tile(const uint8_t* const* entries, uint8_t
 // This thread's place in the MMA fragments and the lengths its two rows see.
 struct Lane {
   int warp, lane, g, c;   // g = lane / 4 (fragment row), c = lane % 4 (fragment column pair)
+  int half, group;        // QK^T: column half and token group (tokens [16 group, 16 group + 16))
   int64_t visible[2];     // tokens seen by rows g and g + 8 of the tile
 };
 
-// The Q fragments' ldmatrix address: matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15), in the order
-// a[0..3]; k-step k is at + 32k.
-__device__ __forceinline__ uint32_t q_fragment_addr(const Lane& t, const uint8_t* q_tile) {
-  return smem_addr(q_tile) + ((t.lane & 7) + ((t.lane >> 3) & 1) * 8) * kRowBytes + (t.lane >> 4) * 16;
+// The query's A fragments of this warp's column half, k-step kFirst + i in q[i], kept in
+// registers for the CTA's whole split.
+template <int kFirst, int kCount, int kQSteps>
+__device__ __forceinline__ void load_q_fragments(const Lane& t, const uint8_t* q_tile,
+                                                 uint32_t (&q)[kQSteps][4]) {
+  // Matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15), in the order a[0..3]; k-step k is at + 32k.
+  const uint32_t addr =
+      smem_addr(q_tile) + ((t.lane & 7) + ((t.lane >> 3) & 1) * 8) * kRowBytes + (t.lane >> 4) * 16;
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) ldmatrix_x4(q[i], addr + (kFirst + i) * 32);
 }
 
-// QK^T of the 16 rows x this warp's 8 tokens over a 16-bit tile, into four accumulators (k-step k
-// into acc[k % 4]: the 36-step dependency chain is cut to 9).
-template <ActType kElem>
-__device__ __forceinline__ void qk_tile(const Lane& t, const uint8_t* q_tile, const uint8_t* kv,
-                                        float (&acc)[4][4]) {
-  const uint32_t q_addr = q_fragment_addr(t, q_tile);
-  // B: matrices (the warp's 8 tokens) x (k 0-7, 8-15, 16-23, 24-31): b0, b1 of two k-steps.
-  const uint32_t k_addr =
-      smem_addr(kv) + (t.warp * kTokensPerWarp + (t.lane & 7)) * kRowBytes + (t.lane >> 3) * 16;
+// Partial QK^T of the 16 rows x this warp's 16 tokens over k-steps [kFirst, kFirst + kCount) of
+// a 16-bit tile: acc[n][k % 2] for n-block n (tokens +8n); four independent chains.
+template <ActType kElem, int kFirst, int kCount, int kQSteps>
+__device__ __forceinline__ void qk_tile(const Lane& t, const uint32_t (&q)[kQSteps][4],
+                                        const uint8_t* kv, float (&acc)[2][2][4]) {
+  // B: matrices (tokens +0-7 | +8-15) x (k 0-7 | 8-15): b0, b1 of n-block 0, then of n-block 1.
+  const uint32_t k_addr = smem_addr(kv) +
+                          (t.group * kTokensPerGroup + (t.lane & 7) + ((t.lane >> 4) & 1) * 8) * kRowBytes +
+                          ((t.lane >> 3) & 1) * 16 + kFirst * 32;
 #pragma unroll
-  for (int k = 0; k < kQkSteps; k += 2) {
-    uint32_t kb[4], qa[2][4];
+  for (int k = 0; k < kCount; ++k) {
+    uint32_t kb[4];
     ldmatrix_x4(kb, k_addr + k * 32);
-    ldmatrix_x4(qa[0], q_addr + k * 32);
-    ldmatrix_x4(qa[1], q_addr + (k + 1) * 32);
-    mma_16816<kElem>(acc[k & 3], qa[0], kb[0], kb[1]);
-    mma_16816<kElem>(acc[(k & 3) + 1], qa[1], kb[2], kb[3]);
+    mma_16816<kElem>(acc[0][k & 1], q[k], kb[0], kb[1]);
+    mma_16816<kElem>(acc[1][k & 1], q[k], kb[2], kb[3]);
   }
 }
 
-// The same over a raw 1-byte tile (the order of the comment above mma_column): each lane converts
-// its token's columns as it goes (the conversion interleaves with the MMAs, no pass of its own,
-// no barrier) and stores the 512 latent values once into the V tile, in natural column order,
-// for P.V. A zero-filled row gives zeros (codes 0, scales 0). Returns whether this lane's columns
-// hold a NaN code where the conversion does not keep NaN: the loop stays free of branches, and
-// write_logits makes that token's logits NaN, as a NaN in K would (its +-480 stand-ins in the V
-// tile are never seen: every row that sees the token gets p = NaN, and a row that does not never
-// reads it).
-template <CacheFormat kFormat, ActType kElem>
-__device__ __forceinline__ bool qk_tile_raw(const Lane& t, const uint8_t* q_tile, const uint8_t* raw,
-                                            uint8_t* v_tile, float (&acc)[4][4]) {
+// The same over a raw 1-byte tile, 64-column blocks [kFirstBlock, kFirstBlock + kBlocks) (the
+// order of the comment above mma_column): lane (g, c) takes tokens 16 group + g and + 8 + g,
+// converts their columns as it goes (the conversion interleaves with the MMAs, no pass of its
+// own, no barrier) and stores their latent values once into the V tile, in natural column order,
+// for P.V. A zero-filled row gives zeros (codes 0, scales 0). nan[n] tells whether this lane's
+// columns of its n-block-n token hold a NaN code where the conversion does not keep NaN: the loop
+// stays free of branches, and write_logits makes that token's logits NaN, as a NaN in K would
+// (its +-480 stand-ins in the V tile are never seen: every row that sees the token gets p = NaN,
+// and a row that does not never reads it).
+template <CacheFormat kFormat, ActType kElem, int kFirstBlock, int kBlocks, int kQSteps>
+__device__ __forceinline__ void qk_tile_raw(const Lane& t, const uint32_t (&q)[kQSteps][4],
+                                            const uint8_t* raw, uint8_t* v_tile,
+                                            float (&acc)[2][2][4], bool (&nan)[2]) {
   using L = Layout<kFormat>;
   constexpr bool kDsMla = kFormat == CacheFormat::kFp8DsMla;
-  const int token = t.warp * kTokensPerWarp + t.g;
-  const uint8_t* row = raw + token * L::kRawRowBytes;
-  uint8_t* v_row = v_tile + token * L::kVRowBytes;
-  const uint32_t q_addr = q_fragment_addr(t, q_tile);
-  uint32_t nan_bits = 0;
-  uint32_t scale2[kLatent / kDsMlaTile];  // ds_mla: the token's tile scales as element pairs
-  if constexpr (kDsMla) {
-    const float4 s = *reinterpret_cast<const float4*>(row + kDsMlaScaleOffset);
-    scale2[0] = pack_elems<kElem>(s.x, s.x), scale2[1] = pack_elems<kElem>(s.y, s.y);  // exact for
-    scale2[2] = pack_elems<kElem>(s.z, s.z), scale2[3] = pack_elems<kElem>(s.w, s.w);  // powers of 2
+  const uint8_t* row[2];
+  uint8_t* v_row[2];
+  uint32_t nan_bits[2] = {0, 0};
+  uint32_t scale2[2][kLatent / kDsMlaTile];  // ds_mla: each token's tile scales as element pairs
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    const int token = t.group * kTokensPerGroup + 8 * n + t.g;
+    row[n] = raw + token * L::kRawRowBytes;
+    v_row[n] = v_tile + token * L::kVRowBytes;
+    if constexpr (kDsMla) {  // exact for powers of 2
+      const float4 s = *reinterpret_cast<const float4*>(row[n] + kDsMlaScaleOffset);
+      scale2[n][0] = pack_elems<kElem>(s.x, s.x), scale2[n][1] = pack_elems<kElem>(s.y, s.y);
+      scale2[n][2] = pack_elems<kElem>(s.z, s.z), scale2[n][3] = pack_elems<kElem>(s.w, s.w);
+    }
   }
 #pragma unroll
-  for (int j = 0; j < kEntry / 64; ++j) {
-    uint32_t b[8];
-    if (kDsMla && j == kLatent / 64) {  // k_pe: bf16 already
-      const uint4 lo = *reinterpret_cast<const uint4*>(row + kDsMlaPeOffset + 16 * t.c);
-      const uint4 hi = *reinterpret_cast<const uint4*>(row + kDsMlaPeOffset + 64 + 16 * t.c);
-      b[0] = lo.x, b[1] = lo.y, b[2] = lo.z, b[3] = lo.w, b[4] = hi.x, b[5] = hi.y, b[6] = hi.z, b[7] = hi.w;
-    } else {
-      const uint4 codes = *reinterpret_cast<const uint4*>(row + 64 * j + 16 * t.c);
-      uint4 lo = e4m3x8_placed<kElem>(make_uint2(codes.x, codes.y));
-      uint4 hi = e4m3x8_placed<kElem>(make_uint2(codes.z, codes.w));
-      if (!placed_keeps_nan<kElem>())
-        nan_bits |= nan_code_bits(codes.x) | nan_code_bits(codes.y) | nan_code_bits(codes.z) |
-                    nan_code_bits(codes.w);
-      if constexpr (kDsMla) {  // columns 64j + 16c.. share the scale of tile j / 2
-        const uint32_t sc = scale2[j / 2];
-        lo = make_uint4(mul_elems<kElem>(lo.x, sc), mul_elems<kElem>(lo.y, sc),
-                        mul_elems<kElem>(lo.z, sc), mul_elems<kElem>(lo.w, sc));
-        hi = make_uint4(mul_elems<kElem>(hi.x, sc), mul_elems<kElem>(hi.y, sc),
-                        mul_elems<kElem>(hi.z, sc), mul_elems<kElem>(hi.w, sc));
+  for (int jj = 0; jj < kBlocks; ++jj) {
+    const int j = kFirstBlock + jj;
+    uint32_t b[2][8];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      if (kDsMla && j == kLatent / 64) {  // k_pe: bf16 already
+        const uint4 lo = *reinterpret_cast<const uint4*>(row[n] + kDsMlaPeOffset + 16 * t.c);
+        const uint4 hi = *reinterpret_cast<const uint4*>(row[n] + kDsMlaPeOffset + 64 + 16 * t.c);
+        b[n][0] = lo.x, b[n][1] = lo.y, b[n][2] = lo.z, b[n][3] = lo.w;
+        b[n][4] = hi.x, b[n][5] = hi.y, b[n][6] = hi.z, b[n][7] = hi.w;
+      } else {
+        const uint4 codes = *reinterpret_cast<const uint4*>(row[n] + 64 * j + 16 * t.c);
+        uint4 lo = e4m3x8_placed<kElem>(make_uint2(codes.x, codes.y));
+        uint4 hi = e4m3x8_placed<kElem>(make_uint2(codes.z, codes.w));
+        if (!placed_keeps_nan<kElem>())
+          nan_bits[n] |= nan_code_bits(codes.x) | nan_code_bits(codes.y) | nan_code_bits(codes.z) |
+                         nan_code_bits(codes.w);
+        if constexpr (kDsMla) {  // columns 64j + 16c.. share the scale of tile j / 2
+          const uint32_t sc = scale2[n][j / 2 < kLatent / kDsMlaTile ? j / 2 : 0];  // (j < 8 here)
+          lo = make_uint4(mul_elems<kElem>(lo.x, sc), mul_elems<kElem>(lo.y, sc),
+                          mul_elems<kElem>(lo.z, sc), mul_elems<kElem>(lo.w, sc));
+          hi = make_uint4(mul_elems<kElem>(hi.x, sc), mul_elems<kElem>(hi.y, sc),
+                          mul_elems<kElem>(hi.z, sc), mul_elems<kElem>(hi.w, sc));
+        }
+        if (j < kLatent / 64) {
+          *reinterpret_cast<uint4*>(v_row[n] + 2 * (64 * j + 16 * t.c)) = lo;
+          *reinterpret_cast<uint4*>(v_row[n] + 2 * (64 * j + 16 * t.c) + 16) = hi;
+        }
+        b[n][0] = lo.x, b[n][1] = lo.y, b[n][2] = lo.z, b[n][3] = lo.w;
+        b[n][4] = hi.x, b[n][5] = hi.y, b[n][6] = hi.z, b[n][7] = hi.w;
       }
-      if (j < kLatent / 64) {
-        *reinterpret_cast<uint4*>(v_row + 2 * (64 * j + 16 * t.c)) = lo;
-        *reinterpret_cast<uint4*>(v_row + 2 * (64 * j + 16 * t.c) + 16) = hi;
-      }
-      b[0] = lo.x, b[1] = lo.y, b[2] = lo.z, b[3] = lo.w, b[4] = hi.x, b[5] = hi.y, b[6] = hi.z, b[7] = hi.w;
     }
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
-      uint32_t qa[4];
-      ldmatrix_x4(qa, q_addr + (4 * j + s) * 32);
-      mma_16816<kElem>(acc[s], qa, b[2 * s], b[2 * s + 1]);
+      mma_16816<kElem>(acc[0][s & 1], q[4 * jj + s], b[0][2 * s], b[0][2 * s + 1]);
+      mma_16816<kElem>(acc[1][s & 1], q[4 * jj + s], b[1][2 * s], b[1][2 * s + 1]);
     }
   }
-  return (nan_bits & 0x80808080u) != 0;
+#pragma unroll
+  for (int n = 0; n < 2; ++n) nan[n] = (nan_bits[n] & 0x80808080u) != 0;
 }
 
-// Base-2 logits of the 16 rows x this warp's 8 tokens into `scores`; -inf where the token is
-// masked or not visible to the row, NaN where visible and lanes 4i..4i + 3 of nan_lanes flag the
-// warp's token i (qk_tile_raw).
-__device__ __forceinline__ void write_logits(const Lane& t, const float (&acc)[4][4],
-                                             uint32_t nan_lanes, const uint8_t* const* entries,
-                                             int64_t tile_first, float logit_scale, float* scores) {
-  const int token = t.warp * kTokensPerWarp + 2 * t.c;
-  const bool loaded[2] = {entries[token] != nullptr, entries[token + 1] != nullptr};
-  const bool nan[2] = {((nan_lanes >> (8 * t.c)) & 0xFu) != 0, ((nan_lanes >> (8 * t.c + 4)) & 0xFu) != 0};
+// This column half's base-2 partial logits of the 16 rows x this warp's 16 tokens into `scores`
+// (the half's [16][kScoreStride] array): -inf where the token is masked or not visible to the
+// row (in both halves, so their sum is -inf, whatever the data), NaN where visible and lanes
+// 4i..4i + 3 of nan_lanes[n] flag the n-block's token i (qk_tile_raw).
+__device__ __forceinline__ void write_logits(const Lane& t, const float (&acc)[2][2][4],
+                                             const uint32_t (&nan_lanes)[2],
+                                             const uint8_t* const* entries, int64_t tile_first,
+                                             float logit_scale, float* scores) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {  // rows g and g + 8
-    float v[2];
+  for (int n = 0; n < 2; ++n) {
+    const int token = t.group * kTokensPerGroup + 8 * n + 2 * t.c;
+    const bool loaded[2] = {entries[token] != nullptr, entries[token + 1] != nullptr};
+    const bool nan[2] = {((nan_lanes[n] >> (8 * t.c)) & 0xFu) != 0,
+                         ((nan_lanes[n] >> (8 * t.c + 4)) & 0xFu) != 0};
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int i = 2 * h + e;
-      const bool seen = loaded[e] && tile_first + token + e < t.visible[h];
-      const float logit = ((acc[0][i] + acc[1][i]) + (acc[2][i] + acc[3][i])) * logit_scale;
-      v[e] = !seen ? -INFINITY : nan[e] ? NAN : logit;
+    for (int h = 0; h < 2; ++h) {  // rows g and g + 8
+      float v[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int i = 2 * h + e;
+        const bool seen = loaded[e] && tile_first + token + e < t.visible[h];
+        const float logit = (acc[n][0][i] + acc[n][1][i]) * logit_scale;
+        v[e] = !seen ? -INFINITY : nan[e] ? NAN : logit;
+      }
+      *reinterpret_cast<float2*>(scores + (t.g + 8 * h) * kScoreStride + token) = make_float2(v[0], v[1]);
     }
-    *reinterpret_cast<float2*>(scores + (t.g + 8 * h) * kScoreStride + token) = make_float2(v[0], v[1]);
   }
+}
+
+// The logits of row `row`, tokens token, token + 1: the sum of the two halves' partials.
+__device__ __forceinline__ float2 logit_pair(const float* scores, int row, int token) {
+  const float2 a = *reinterpret_cast<const float2*>(scores + row * kScoreStride + token);
+  const float2 b =
+      *reinterpret_cast<const float2*>(scores + (kTileRows + row) * kScoreStride + token);
+  return make_float2(a.x + b.x, a.y + b.y);
 }
 
 // Running softmax state of rows g and g + 8 (identical in the 4 lanes of a quad and in every
@@ -590,8 +635,8 @@ __device__ __forceinline__ void softmax_tile(const Lane& t, const float* scores,
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int col = 16 * k + 8 * half + 2 * t.c;
-      const float2 lo = *reinterpret_cast<const float2*>(scores + t.g * kScoreStride + col);
-      const float2 hi = *reinterpret_cast<const float2*>(scores + (t.g + 8) * kScoreStride + col);
+      const float2 lo = logit_pair(scores, t.g, col);
+      const float2 hi = logit_pair(scores, t.g + 8, col);
       logit[k][4 * half + 0] = lo.x, logit[k][4 * half + 1] = lo.y;
       logit[k][4 * half + 2] = hi.x, logit[k][4 * half + 3] = hi.y;
     }
@@ -647,7 +692,9 @@ __device__ void add_partly_seen(const Lane& t, int lo, int hi, int64_t tile_firs
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       seen[h] = tile_first + token < t.visible[h];
-      p[h] = round_to_elem<kElem>(exp2f(scores[(t.g + 8 * h) * kScoreStride + token] - offset[h]));
+      const float logit = scores[(t.g + 8 * h) * kScoreStride + token] +
+                          scores[(kTileRows + t.g + 8 * h) * kScoreStride + token];
+      p[h] = round_to_elem<kElem>(exp2f(logit - offset[h]));
     }
 #pragma unroll
     for (int n = 0; n < kOutBlocks; ++n) {
@@ -747,6 +794,7 @@ __device__ void attend(const DecodeAttention& a, int64_t b, const Scales& scales
   Lane t;
   t.warp = int(threadIdx.x) / 32, t.lane = int(threadIdx.x) % 32;
   t.g = t.lane / 4, t.c = t.lane % 4;
+  t.half = t.warp / kTokenGroups, t.group = t.warp % kTokenGroups;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {  // padding rows see as much as the last real row
     const int64_t r = w.row0 + t.g + 8 * h;
@@ -765,6 +813,13 @@ __device__ void attend(const DecodeAttention& a, int64_t b, const Scales& scales
   if (threadIdx.x < kStages * kTileTokens)
     entries[threadIdx.x] = tile_token_entry(a, w, threadIdx.x / kTileTokens, threadIdx.x % kTileTokens);
   __syncthreads();
+  // Column half 0 takes k-steps [0, kHalfStep), half 1 the rest (warp-uniform branches).
+  constexpr int kHalfStep = L::kHalfStep, kHalfBlock = kHalfStep / 4;
+  uint32_t q[L::kQSteps][4];
+  if (t.half == 0)
+    load_q_fragments<0, kHalfStep>(t, q_tile, q);
+  else
+    load_q_fragments<kHalfStep, kQkSteps - kHalfStep>(t, q_tile, q);
   // Tiles 0 .. kStages - 2 in flight, one commit group each (empty past the last tile, so that
   // the wait in the loop counts the same way at the end).
 #pragma unroll
@@ -793,17 +848,28 @@ __device__ void attend(const DecodeAttention& a, int64_t b, const Scales& scales
         threadIdx.x < kTileTokens ? tile_token_entry(a, w, tile + kStages, int(threadIdx.x)) : nullptr;
     uint8_t* stage = raw + slot * L::kRawTileBytes;
     uint8_t* kv;  // the V tile
-    float acc[4][4] = {};
-    uint32_t nan_lanes = 0;
+    float acc[2][2][4] = {};
+    uint32_t nan_lanes[2] = {0, 0};
     if constexpr (L::kConverts) {
+      static_assert(kHalfStep % 4 == 0, "1-byte halves split at a 64-column block");
       kv = smem + L::kVTile;
-      nan_lanes = __ballot_sync(0xFFFFFFFFu, qk_tile_raw<kFormat, kElem>(t, q_tile, stage, kv, acc));
+      bool nan[2];
+      if (t.half == 0)
+        qk_tile_raw<kFormat, kElem, 0, kHalfBlock>(t, q, stage, kv, acc, nan);
+      else
+        qk_tile_raw<kFormat, kElem, kHalfBlock, kEntry / 64 - kHalfBlock>(t, q, stage, kv, acc, nan);
+      nan_lanes[0] = __ballot_sync(0xFFFFFFFFu, nan[0]);
+      nan_lanes[1] = __ballot_sync(0xFFFFFFFFu, nan[1]);
     } else {
       kv = stage;
-      qk_tile<kElem>(t, q_tile, kv, acc);
+      if (t.half == 0)
+        qk_tile<kElem, 0, kHalfStep>(t, q, kv, acc);
+      else
+        qk_tile<kElem, kHalfStep, kQkSteps - kHalfStep>(t, q, kv, acc);
     }
     const int64_t tile_first = w.first + tile * kTileTokens;
-    write_logits(t, acc, nan_lanes, entries + slot * kTileTokens, tile_first, scales.logit, scores);
+    write_logits(t, acc, nan_lanes, entries + slot * kTileTokens, tile_first, scales.logit,
+                 scores + t.half * kTileRows * kScoreStride);
     // The 16 x 64 logits (and a 1-byte format's V tile) are complete; this slot's entries are no
     // longer read.
     __syncthreads();
