@@ -135,16 +135,18 @@ struct Layout {
   // columns converted by QK^T (rows of 1024 + 16 bytes, ldmatrix conflict-free as kRowBytes).
   static constexpr int kVRowBytes = kConverts ? 2 * kLatent + 16 : kRowBytes;
   static constexpr int kQ = 0;                                        // [16][kRowBytes]
-  // The first QK^T k-step of column half 1: 1-byte formats split at a 64-column block (5 | 4).
-  static constexpr int kHalfStep = kConverts ? 20 : kQkSteps / 2;
+  // The first QK^T k-step of column half 1. The 1-byte formats split at a 64-column block, 4 | 5,
+  // so that each half converts (and writes to the V tile) four latent blocks.
+  static constexpr int kHalfStep = kConverts ? 16 : kQkSteps / 2;
   static constexpr int kQSteps = kHalfStep > kQkSteps - kHalfStep ? kHalfStep : kQkSteps - kHalfStep;
   static constexpr int kScores = kQ + kTileRows * kRowBytes;  // float [half][16][kScoreStride]
   static constexpr int kEntries = kScores + kColumnHalves * kTileRows * kScoreStride * 4;  // [kStages][64]
-  static constexpr int kRaw = kEntries + kStages * kTileTokens * 8;   // [kStages][kRawTileBytes]
+  static constexpr int kBarriers = kEntries + kStages * kTileTokens * 8;  // uint64 [kStages], 32 B
+  static constexpr int kRaw = kBarriers + 32;                          // [kStages][kRawTileBytes]
   static constexpr int kVTile = kRaw + kStages * kRawTileBytes;        // [64][kVRowBytes] (1-byte)
   static constexpr int kBytes = kVTile + (kConverts ? kTileTokens * kVRowBytes : 0);
   static_assert(kEntryBytes % 16 == 0 && kRawRowBytes % 16 == 0 && kScores % 16 == 0 &&
-                kEntries % 16 == 0 && kRaw % 16 == 0 && kVTile % 16 == 0 && kVRowBytes % 16 == 0);
+                kEntries % 16 == 0 && kStages * 8 <= 32 && kRaw % 16 == 0 && kVTile % 16 == 0 && kVRowBytes % 16 == 0);
   static_assert(!kConverts || (kRawRowBytes % 128 == 64 && kRawRowBytes >= kEntryBytes));
   static_assert(kBytes <= 232448, "more than sm_90's 227 KB of shared memory per block");
   static_assert(kThreads >= kStages * kTileTokens, "the prologue gives one thread to each token");
@@ -153,22 +155,10 @@ struct Layout {
 __device__ __forceinline__ int64_t min64(int64_t x, int64_t y) { return x < y ? x : y; }
 __device__ __forceinline__ int64_t max64(int64_t x, int64_t y) { return x > y ? x : y; }
 
-// ---- PTX: cp.async, ldmatrix, mma.sync (all sm_80) ----
+// ---- PTX: ldmatrix, mma.sync ----
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int kPending>  // waits until at most the kPending most recent groups are in flight
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 // Four 8x8 matrices of 16-bit elements; lanes 8i..8i+7 give the row addresses of matrix i, which
@@ -444,27 +434,74 @@ __device__ __forceinline__ const uint8_t* tile_token_entry(const DecodeAttention
   return row >= 0 ? a.cache + row * a.row_bytes : nullptr;
 }
 
-// Issues the cp.async copies of one tile (cache entries `entries`, null = zero-fill) into `raw`
-// as one commit group. Four threads per token, each with one entry lookup and fixed offsets.
+// ---- sm_90: bulk copies (TMA) completing on an mbarrier ----
+//
+// A tile's 64 rows land with one bulk copy each, issued by the thread of that token (threads
+// 0-63); each of those threads arrives once on the stage's mbarrier (count 64), announcing its
+// row's bytes, so the phase completes when all 64 rows have landed. Compared with 16-byte
+// cp.async (144 warp instructions per bf16 tile, the MIO queue full), this is one instruction
+// per row. The host launches the kernel on sm_90+ only (it also needs 173-231 KB of shared
+// memory); for older architectures these compile to traps.
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+#define SM90_ASM(...) asm volatile(__VA_ARGS__)
+#else
+#define SM90_ASM(...) __trap()
+#endif
+
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, int count) {
+  SM90_ASM("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbarrier_init_fence() {
+  SM90_ASM("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint64_t* bar, uint32_t bytes) {
+  SM90_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+           : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+  SM90_ASM("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 1;
+  do {
+    SM90_ASM("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+             " selp.u32 %0, 1, 0, p;\n}\n"
+             : "=r"(done)
+             : "r"(smem_addr(bar)), "r"(parity)
+             : "memory");
+  } while (!done);
+}
+// Orders this thread's earlier generic-proxy writes to shared memory (a zero-filled row) before
+// a later bulk copy to the same place.
+__device__ __forceinline__ void fence_proxy_async() {
+  SM90_ASM("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  SM90_ASM("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+           ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar))
+           : "memory");
+}
+
+// Thread `token` (< 64) issues its row of a tile: a bulk copy of the cache entry, or, for a
+// masked token (null entry), zeros. `zero_filled` remembers that this thread has written a row
+// itself, so that a later bulk copy is fenced after it.
 template <CacheFormat kFormat>
-__device__ __forceinline__ void load_tile(const uint8_t* const* entries, uint8_t* raw) {
+__device__ __forceinline__ void issue_row(const uint8_t* entry, uint8_t* raw, uint64_t* bar,
+                                          bool& zero_filled) {
   using L = Layout<kFormat>;
-  constexpr int kChunks = L::kEntryBytes / 16;
-  constexpr int kPerToken = kThreads / kTileTokens;
-  const int token = int(threadIdx.x) / kPerToken, part = int(threadIdx.x) % kPerToken;
-  const uint8_t* entry = entries[token];
-  uint8_t* dst = raw + token * L::kRawRowBytes;
+  uint8_t* dst = raw + threadIdx.x * L::kRawRowBytes;
+  if (entry != nullptr) {
+    if (zero_filled) fence_proxy_async();
+    mbarrier_arrive_expect_bytes(bar, L::kEntryBytes);
+    bulk_copy(dst, entry, L::kEntryBytes, bar);
+  } else {
 #pragma unroll
-  for (int i = 0; i < (kChunks + kPerToken - 1) / kPerToken; ++i) {
-    const int chunk = part + kPerToken * i;
-    if (kChunks % kPerToken == 0 || chunk < kChunks) {
-      if (entry != nullptr)
-        cp_async16(dst + 16 * chunk, entry + 16 * chunk);
-      else
-        *reinterpret_cast<uint4*>(dst + 16 * chunk) = make_uint4(0, 0, 0, 0);
-    }
+    for (int i = 0; i < L::kEntryBytes / 16; ++i)
+      *reinterpret_cast<uint4*>(dst + 16 * i) = make_uint4(0, 0, 0, 0);
+    zero_filled = true;
+    mbarrier_arrive(bar);
   }
-  cp_async_commit();
 }
 
 // This thread's place in the MMA fragments and the lengths its two rows see.
@@ -807,8 +844,13 @@ __device__ void attend(const DecodeAttention& a, int64_t b, const Scales& scales
   // [tile % kStages][token]
   const uint8_t** entries = reinterpret_cast<const uint8_t**>(smem + L::kEntries);
   uint8_t* raw = smem + L::kRaw;
+  uint64_t* stage_full = reinterpret_cast<uint64_t*>(smem + L::kBarriers);  // [kStages]
 
   __syncthreads();  // this CTA's previous sequence is done with the shared memory
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) mbarrier_init(stage_full + s, kTileTokens);
+    mbarrier_init_fence();
+  }
   load_q<kFormat, kElem>(a, b, w.row0, q_tile);
   if (threadIdx.x < kStages * kTileTokens)
     entries[threadIdx.x] = tile_token_entry(a, w, threadIdx.x / kTileTokens, threadIdx.x % kTileTokens);
@@ -820,28 +862,28 @@ __device__ void attend(const DecodeAttention& a, int64_t b, const Scales& scales
     load_q_fragments<0, kHalfStep>(t, q_tile, q);
   else
     load_q_fragments<kHalfStep, kQkSteps - kHalfStep>(t, q_tile, q);
-  // Tiles 0 .. kStages - 2 in flight, one commit group each (empty past the last tile, so that
-  // the wait in the loop counts the same way at the end).
+  // Tiles 0 .. kStages - 2 in flight. Threads 0-63 issue the rows (one each).
+  const bool issuer = threadIdx.x < kTileTokens;
+  bool zero_filled = false;
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < w.n_tiles)
-      load_tile<kFormat>(entries + s * kTileTokens, raw + s * L::kRawTileBytes);
-    else
-      cp_async_commit();
-  }
+  for (int s = 0; s < kStages - 1; ++s)
+    if (issuer && s < w.n_tiles)
+      issue_row<kFormat>(entries[s * kTileTokens + threadIdx.x], raw + s * L::kRawTileBytes,
+                         stage_full + s, zero_filled);
+  uint32_t parity = 0;  // bit s: the phase of stage s's mbarrier that the next wait expects
 
   float out[kOutBlocks][4] = {};
   RowState state;
   int slot = 0;  // tile % kStages: its stage and its entries
   for (int64_t tile = 0; tile < w.n_tiles; ++tile) {
-    cp_async_wait<kStages - 2>();
+    mbarrier_wait(stage_full + slot, (parity >> slot) & 1);
+    parity ^= 1u << slot;
     __syncthreads();  // tile has landed, and every warp is done with tile - 1 (its stage, V tile)
     // Tile + kStages - 1 goes to the stage of tile - 1.
     const int ahead = slot == 0 ? kStages - 1 : slot - 1;
-    if (tile + kStages - 1 < w.n_tiles)
-      load_tile<kFormat>(entries + ahead * kTileTokens, raw + ahead * L::kRawTileBytes);
-    else
-      cp_async_commit();
+    if (issuer && tile + kStages - 1 < w.n_tiles)
+      issue_row<kFormat>(entries[ahead * kTileTokens + threadIdx.x], raw + ahead * L::kRawTileBytes,
+                         stage_full + ahead, zero_filled);
     // The entries of tile + kStages, looked up now so that their latency hides behind this
     // tile's math.
     const uint8_t* entry_ahead =
@@ -992,6 +1034,12 @@ ActType mma_type(const DecodeAttention& a) {
 }
 
 ffi::Error run(cudaStream_t stream, const DecodeAttention& a) {
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major < 9)
+    return ffi::Error::InvalidArgument(
+        "jax_kimi_mla mla_decode_attention: the CUDA kernel needs an sm_90+ GPU (Hopper or newer); on this "
+        "GPU use jax_kimi_mla.reference.mla_decode_attention");
   const int64_t rows = a.rows();
   const int64_t row_groups = (rows + kTileRows - 1) / kTileRows;
   if (row_groups > kMaxGridYZ)
