@@ -121,12 +121,14 @@ struct Layout {
   static constexpr int kEntryBytes = kFormat == CacheFormat::kBf16   ? 2 * kEntry
                                      : kFormat == CacheFormat::kFp8 ? kEntry
                                                                     : kDsMlaEntryBytes;
-  // A 16-bit cache row lands in the MMA layout itself. A 1-byte row lands packed, at a stride of
-  // 64 mod 128 bytes: the 8 lanes of a 16-byte shared load (quad columns 16c of tokens g, g + 1)
-  // then hit 32 distinct banks (576 is such a stride; ds_mla's 656 is padded to 704).
+  // A 16-bit cache row lands in the MMA layout itself (skewed rows: one bulk copy per row). A
+  // 1-byte row lands as it is in the cache, so that a run of consecutive rows is one bulk copy
+  // (the number of bulk copies, not their bytes, bounded the first TMA version): plain fp8's 576
+  // is 64 mod 128, so the 8 lanes of a 16-byte shared load (quad columns 16c of tokens g, g + 1)
+  // hit 32 distinct banks; ds_mla's 656 costs a 2-way conflict on those loads.
   static constexpr int kRawRowBytes = !kConverts                       ? kRowBytes
                                       : kFormat == CacheFormat::kFp8 ? kEntry
-                                                                     : kDsMlaEntryBytes + 48;
+                                                                     : kDsMlaEntryBytes;
   static constexpr int kRawTileBytes = kTileTokens * kRawRowBytes;
   // Tiles in shared memory: kStages - 1 in flight while one is computed. Three 74 KB bf16 stages
   // do not fit beside Q; three 1-byte stages do, and keep 74-84 KB in flight, as bf16's one does.
@@ -147,7 +149,10 @@ struct Layout {
   static constexpr int kBytes = kVTile + (kConverts ? kTileTokens * kVRowBytes : 0);
   static_assert(kEntryBytes % 16 == 0 && kRawRowBytes % 16 == 0 && kScores % 16 == 0 &&
                 kEntries % 16 == 0 && kStages * 8 <= 32 && kRaw % 16 == 0 && kVTile % 16 == 0 && kVRowBytes % 16 == 0);
-  static_assert(!kConverts || (kRawRowBytes % 128 == 64 && kRawRowBytes >= kEntryBytes));
+  // 1-byte rows land unpadded, so that the rows of consecutive tokens of a block land with one
+  // bulk copy.
+  static constexpr bool kRunCopies = kRawRowBytes == kEntryBytes;
+  static_assert(!kConverts || kRunCopies);
   static_assert(kBytes <= 232448, "more than sm_90's 227 KB of shared memory per block");
   static_assert(kThreads >= kStages * kTileTokens, "the prologue gives one thread to each token");
 };
@@ -472,8 +477,8 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
              : "memory");
   } while (!done);
 }
-// Orders this thread's earlier generic-proxy writes to shared memory (a zero-filled row) before
-// a later bulk copy to the same place.
+// Orders this thread's generic-proxy writes to shared memory (a zero-filled row) before later
+// async-proxy ones (a bulk copy to the same place, by any thread, after a barrier).
 __device__ __forceinline__ void fence_proxy_async() {
   SM90_ASM("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
@@ -483,25 +488,37 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
            : "memory");
 }
 
-// Thread `token` (< 64) issues its row of a tile: a bulk copy of the cache entry, or, for a
-// masked token (null entry), zeros. `zero_filled` remembers that this thread has written a row
-// itself, so that a later bulk copy is fenced after it.
+// Thread `token` (< 64) issues its share of a tile: its row (kRunCopies: the run of rows of
+// consecutive tokens of its warp whose entries are consecutive, if it starts one) with a bulk
+// copy, or, for a masked token (null entry), zeros. Each of the 64 threads arrives once.
 template <CacheFormat kFormat>
-__device__ __forceinline__ void issue_row(const uint8_t* entry, uint8_t* raw, uint64_t* bar,
-                                          bool& zero_filled) {
+__device__ __forceinline__ void issue_tile(const uint8_t* entry, uint8_t* raw, uint64_t* bar) {
   using L = Layout<kFormat>;
   uint8_t* dst = raw + threadIdx.x * L::kRawRowBytes;
-  if (entry != nullptr) {
-    if (zero_filled) fence_proxy_async();
-    mbarrier_arrive_expect_bytes(bar, L::kEntryBytes);
-    bulk_copy(dst, entry, L::kEntryBytes, bar);
-  } else {
+  uint32_t bytes = entry != nullptr ? L::kEntryBytes : 0;
+  if constexpr (L::kRunCopies) {
+    const int lane = int(threadIdx.x) % 32;
+    const auto prev = reinterpret_cast<const uint8_t*>(
+        __shfl_up_sync(0xFFFFFFFFu, reinterpret_cast<unsigned long long>(entry), 1));
+    const bool continues = lane > 0 && entry != nullptr && prev != nullptr && prev + L::kEntryBytes == entry;
+    const uint32_t breaks = __ballot_sync(0xFFFFFFFFu, !continues);
+    const uint32_t later = breaks & ~((2u << lane) - 1u);  // breaks past this lane (lane 31: none)
+    const int run_end = later != 0 ? __ffs(int(later)) - 1 : 32;
+    if (continues) bytes = 0;  // copied by the run's first thread
+    else if (entry != nullptr) bytes = uint32_t(run_end - lane) * L::kEntryBytes;
+  }
+  if (bytes != 0) {
+    mbarrier_arrive_expect_bytes(bar, bytes);
+    bulk_copy(dst, entry, bytes, bar);
+    return;
+  }
+  if (entry == nullptr) {
 #pragma unroll
     for (int i = 0; i < L::kEntryBytes / 16; ++i)
       *reinterpret_cast<uint4*>(dst + 16 * i) = make_uint4(0, 0, 0, 0);
-    zero_filled = true;
-    mbarrier_arrive(bar);
+    fence_proxy_async();  // before a later bulk copy (of any thread) to these bytes
   }
+  mbarrier_arrive(bar);
 }
 
 // This thread's place in the MMA fragments and the lengths its two rows see.
@@ -864,12 +881,11 @@ __device__ void attend(const DecodeAttention& a, int64_t b, const Scales& scales
     load_q_fragments<kHalfStep, kQkSteps - kHalfStep>(t, q_tile, q);
   // Tiles 0 .. kStages - 2 in flight. Threads 0-63 issue the rows (one each).
   const bool issuer = threadIdx.x < kTileTokens;
-  bool zero_filled = false;
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s)
     if (issuer && s < w.n_tiles)
-      issue_row<kFormat>(entries[s * kTileTokens + threadIdx.x], raw + s * L::kRawTileBytes,
-                         stage_full + s, zero_filled);
+      issue_tile<kFormat>(entries[s * kTileTokens + threadIdx.x], raw + s * L::kRawTileBytes,
+                          stage_full + s);
   uint32_t parity = 0;  // bit s: the phase of stage s's mbarrier that the next wait expects
 
   float out[kOutBlocks][4] = {};
@@ -882,8 +898,8 @@ __device__ void attend(const DecodeAttention& a, int64_t b, const Scales& scales
     // Tile + kStages - 1 goes to the stage of tile - 1.
     const int ahead = slot == 0 ? kStages - 1 : slot - 1;
     if (issuer && tile + kStages - 1 < w.n_tiles)
-      issue_row<kFormat>(entries[ahead * kTileTokens + threadIdx.x], raw + ahead * L::kRawTileBytes,
-                         stage_full + ahead, zero_filled);
+      issue_tile<kFormat>(entries[ahead * kTileTokens + threadIdx.x], raw + ahead * L::kRawTileBytes,
+                          stage_full + ahead);
     // The entries of tile + kStages, looked up now so that their latency hides behind this
     // tile's math.
     const uint8_t* entry_ahead =
