@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _checks, _ffi
+from . import _checks, _ffi, reference
 from .formats import EPILOGUES, Epilogue
 
 _NO_POSITIONS = ((0,), jnp.int32)
@@ -205,6 +205,17 @@ def _sm_count() -> int:
     return getattr(jax.devices()[0], "core_count", None) or DEFAULT_SM_COUNT
 
 
+def _gpu_before_hopper() -> bool:
+    """Whether the default device is a GPU older than sm_90, where the decode attention kernel
+    cannot run (it needs TMA and 178-222 KB of shared memory per block)."""
+    if jax.default_backend() != "gpu":
+        return False
+    try:
+        return float(jax.devices()[0].compute_capability) < 9.0
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
 def default_num_splits(batch: int, rows: int, max_len: int, sm_count: int) -> int:
     """The split-KV count: the fewest splits whose CUDA blocks (batch x ceil(rows / 16) x splits)
     keep >= 90% of the GPU's ``sm_count`` block slots busy in whole waves (else the best one),
@@ -244,6 +255,9 @@ def mla_decode_attention(
       num_splits: the split-KV count of the CUDA kernel (static); None chooses it from the sizes
         and the GPU. Results do not depend on it.
 
+    The CUDA kernel needs sm_90+ (Hopper or newer); on older GPUs this calls
+    ``jax_kimi_mla.reference.mla_decode_attention`` instead (same contract, jnp speed).
+
     Returns:
       out [B, (S_q,) H, 512] in mqa_q's dtype (bfloat16 for an fp8 mqa_q): the softmax-weighted
       latents (before W_UV), and with ``return_lse`` lse float32 [B, (S_q,) H] (natural log).
@@ -256,6 +270,10 @@ def mla_decode_attention(
           mqa_q, kv_cache, block_tables, context_lens)
     """
     c = _checks.decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale, ds_mla, q_scale_inv, cache_scale_inv, num_splits)
+    if _gpu_before_hopper():  # the documented fallback: the jnp reference, same contract
+        return reference.mla_decode_attention(
+            mqa_q, kv_cache, block_tables, context_lens, softmax_scale=softmax_scale, ds_mla=ds_mla,
+            q_scale_inv=q_scale_inv, cache_scale_inv=cache_scale_inv, return_lse=return_lse)
     B, S, H = c.q.shape[:3]
     max_len = c.block_tables.shape[1] * c.kv_cache.shape[1]
     splits = c.num_splits or default_num_splits(B, S * H, max_len, _sm_count())

@@ -223,6 +223,19 @@ def test_default_split_count_fills_the_gpu():
     assert split(1, 12, 64, 132) == 1  # never more splits than tiles
 
 
+def test_gpus_before_hopper_fall_back_to_the_reference(monkeypatch):
+    """Where the kernel cannot run (a GPU below sm_90) the op is the jnp reference: no custom
+    call in the program, the reference's values bit for bit."""
+    args, kw = make_case("fp8_ds_mla", "bfloat16", lens=(70, 1, 0), heads=4, block_size=16, seed=5)
+    monkeypatch.setattr(jax_kimi_mla.ops, "_gpu_before_hopper", lambda: True)
+    lowered = jax.jit(lambda *a: jax_kimi_mla.mla_decode_attention(*a, **kw)).lower(*args.values())
+    assert "custom_call" not in lowered.as_text()
+    got = run(jax_kimi_mla.mla_decode_attention, args, kw, "cpu")
+    want = run(reference.mla_decode_attention, args, kw, "cpu")
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt,q_dtype", FORMATS)
 def test_cuda_long_contexts(fmt, q_dtype):

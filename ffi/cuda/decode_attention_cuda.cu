@@ -3,53 +3,58 @@
 // At most two launches per call, no allocation, no host synchronization, so XLA can capture it
 // in a CUDA graph:
 //
-// 1. attention_kernel, grid (num_splits, ceil(S_q*H / 16), B folded into grid z). A CTA of 8
-//    warps takes 16 query rows of one sequence (rows past S_q*H are zero padding, never stored)
-//    and the tokens [split_begin, split_end) of its split, in 64-token tiles:
+// 1. attention_kernel, grid (num_splits, ceil(S_q*H / 16), B folded into grid z), sm_90+. A CTA
+//    of 8 warps takes 16 query rows of one sequence (rows past S_q*H are zero padding, never
+//    stored) and the tokens [split_begin, split_end) of its split, in 64-token tiles:
 //    - The 16 x 576 query tile goes to shared memory once, in the MMA element type (bf16, or f16
 //      when q and the cache values are all exact in f16: f16 q over an f16 or plain fp8 cache, and
-//      E4M3 q, which always comes with the plain fp8 cache; E4M3 q codes become exact values).
-//    - Cache rows stream through kStages shared stages with one 16-byte cp.async per chunk: each
-//      token is addressed through its block id, so any block size works, and tiles i + 1 ..
-//      i + kStages - 1 are in flight while tile i is computed. The block ids of a tile are read
-//      kStages tiles ahead and kept as entry addresses in a small table in shared memory, off the
-//      critical path. A masked or out-of-range token reads nothing: its shared row is zero-filled
-//      and its logits are -inf.
+//      E4M3 q, which always comes with the plain fp8 cache; E4M3 q codes become exact values),
+//      and from there into registers: each warp holds the A fragments of its column half for the
+//      whole split (72-80 registers), so Q is never re-read per tile.
+//    - Cache rows stream through kStages shared stages by TMA bulk copies that complete on one
+//      mbarrier per stage: each token is addressed through its block id, so any block size works,
+//      and tiles i + 1 .. i + kStages - 1 are in flight while tile i is computed. The block ids of
+//      a tile are read kStages tiles ahead and kept as entry addresses in a small table in shared
+//      memory, off the critical path. A masked or out-of-range token reads nothing: its shared
+//      row is zero-filled and its logits are -inf.
 //    - A 16-bit cache lands straight in the MMA layout (rows of 1152 + 16 bytes: the 16-byte skew
-//      puts the 8 rows of every ldmatrix in distinct banks), 2 stages (3 do not fit beside Q).
-//    - A plain fp8 or fp8_ds_mla cache lands raw, 3 stages (two tiles, 74-84 KB, in flight: what
-//      bf16's one tile keeps in flight), and is never converted by a pass of its own: QK^T reads
+//      puts the 8 rows of every ldmatrix in distinct banks), one bulk copy per row, 2 stages (3
+//      do not fit).
+//    - A plain fp8 or fp8_ds_mla cache lands raw (rows as in the cache, so a run of consecutive
+//      rows is one bulk copy), 3 stages, and is never converted by a pass of its own: QK^T reads
 //      the raw codes into registers with 16-byte shared loads (qk_tile_raw; the K columns a lane
 //      holds are not the ones the m16n8k16 B fragment names, so Q is stored with its columns
 //      permuted to match, see mma_column), converts them there, and stores the 512 latent values
 //      once, converted, to a V tile that P.V reads with ldmatrix as for bf16. The conversion thus
-//      interleaves with the MMAs of the same warp, a tile costs 2 barriers instead of 3, and the
-//      converted tile is written once (64 KB) instead of written and read back as K too.
+//      interleaves with the MMAs of the same warp, and the converted tile is written once.
 //      Conversion: on sm_89+ with f16 elements the hardware cvt.rn.f16x2.e4m3x2 (exact, NaN
-//      kept); otherwise (bf16 elements, sm_80) E4M3 codes become exact values by bit placement
-//      and one multiply by a power of two, with NaN codes tracked by a cheap or-ed flag that
-//      makes the token's logits NaN (no branch in the loop). ds_mla codes are then multiplied by
-//      their tile scale (exact for the power-of-two scales the writer produces), ds_mla k_pe is
-//      used as bf16. The plain fp8 scales never enter the loop: logits are multiplied by
-//      softmax_scale / (q_scale_inv * cache_scale_inv), the output by 1 / cache_scale_inv.
-//    - QK^T: warp w computes the logits of the 16 rows x tokens [8w, 8w + 8) over the 576
-//      columns with mma.sync m16n8k16 (ldmatrix for Q; non-transposed ldmatrix for a 16-bit K,
-//      registers for a 1-byte one), float32, in four accumulators so the 36-step dependency chain
-//      is cut to 9.
-//    - Online softmax in base 2 (logits pre-multiplied by log2 e, exp2f): the 16 x 64 logits go
-//      through shared memory and every warp computes the same row maxima, probabilities and sums
-//      for all 16 rows (identical operations on identical data, so bit-identical across warps).
+//      kept); otherwise (bf16 elements) E4M3 codes become exact values by bit placement and one
+//      multiply by a power of two, with NaN codes tracked by a cheap or-ed flag that makes the
+//      token's logits NaN (no branch in the loop). ds_mla codes are then multiplied by their tile
+//      scale (exact for the power-of-two scales the writer produces), ds_mla k_pe is used as
+//      bf16. The plain fp8 scales never enter the loop: logits are multiplied by softmax_scale /
+//      (q_scale_inv * cache_scale_inv), the output by 1 / cache_scale_inv.
+//    - QK^T: warp w takes token group w % 4 (16 tokens, two n-blocks) over column half w / 4
+//      (k-steps [0, 18) | [18, 36) for 16-bit caches; 64-column blocks [0, 4) | [4, 9) for the
+//      1-byte ones, so that each half converts four latent blocks) with mma.sync m16n8k16,
+//      float32, four independent accumulator chains. Each half writes its partial logits
+//      (scaled, and -inf where the token is masked or unseen, in both halves) to its own
+//      16 x 64 array; the softmax adds the two.
+//    - Online softmax in base 2 (logits pre-multiplied by log2 e, exp2f): every warp computes the
+//      same row maxima, probabilities and sums for all 16 rows from the two partial arrays
+//      (identical operations on identical data, so bit-identical across warps).
 //    - P.V: warp w owns output columns [64w, 64w + 64): O[16 x 64] += P[16 x 64] V[64 x 64], V
 //      being the first 512 columns of the 16-bit tile or the converted V tile (transposed
 //      ldmatrix), P built in registers.
+//    - Two barriers per tile: the tile has landed (and every warp is done with the previous one);
+//      the logits (and the V tile) are complete.
 //    - End: one split writes out (rounded to the output dtype) and lse directly; several splits
 //      each write their partial (512 normalized floats, then the natural-log lse; -inf and zeros
 //      for a row that saw no token of the split). A CTA whose split starts at or past the length
 //      returns at once (the combine reads only the live splits).
 //    Why 8 warps and 64-token tiles: shared memory allows one CTA per SM, and with 4 warps (one
-//    per scheduler) the kernel was bound by instruction latency (on an H200 an L2-resident cache
-//    ran no faster than HBM); 8 warps halve each warp's share of the loads, conversion and P.V
-//    (+20%). 4 warps x 32-token tiles at 2 CTAs per SM measured slower at these grid sizes.
+//    per scheduler) the kernel was bound by instruction latency; 8 warps halve each warp's share
+//    of the conversion and P.V (+20%). 4 warps x 32-token tiles at 2 CTAs per SM measured slower.
 // 2. combine_kernel (num_splits > 1 only), one CTA per (row, sequence): the live splits merged
 //    with weights exp(lse_s - max lse); empty (-inf) splits are skipped and their outputs never
 //    read; a NaN lse makes the row NaN.
@@ -61,26 +66,15 @@
 // do not are left out of the P.V MMA (0 * NaN would reach the rows that do not see them) and
 // added in float32 to the rows that see them.
 //
-// Shared memory per CTA (1 CTA per SM): bf16/f16 cache 173,824 B (2 stages), plain fp8 201,984 B
-// (3 raw stages + V tile), fp8_ds_mla 226,560 B (3 raw stages of 704-byte rows + V tile). That
-// fits sm_90 (227 KB = 232,448 B per block); GPUs with less opt-in shared memory (A100: 163 KB)
-// get an error from the launch instead of a wrong answer.
+// Shared memory per CTA (1 CTA per SM): bf16/f16 cache 178,464 B (2 stages), plain fp8 206,624 B
+// (3 raw stages + V tile), fp8_ds_mla 221,984 B. That fits sm_90 (232,448 B per block); the host
+// refuses GPUs below sm_90 (A100: 163 KB, and no TMA) with an error naming the reference.
 //
-// Measured on one H200 before the 1-byte rework (B = 128, H = 16, S_q = 1, 4096 tokens, one
-// split): bf16 cache 216 us = 2.8 TB/s of cache; plain fp8 0.94 TB/s; fp8_ds_mla 1.04 TB/s. All
-// three were bound by instruction latency, not by memory; benchmarks/results/h200-attention has
-// the sweep (bf16 60-71% of the copy ceiling, the 1-byte formats 21-25%, 1.5x slower than bf16).
-// After the 1-byte rework (3 stages, conversion fused into QK^T, hardware f16 conversion, f16
-// MMA for E4M3 q), on the H200 at H = 12, B = 64, context 16k / 32k: plain fp8 379 / 743 us (38% of
-// the copy ceiling, was 22%), fp8_ds_mla 418 / 821 us (39-40%, was 24%), bf16 445 / 870 us (64%):
-// the 1-byte formats are now 1.06-1.17x faster than bf16, short of the 1.6x their bytes allow
-// (benchmarks/results/h200-attention/RESULTS-1byte-rework.md; docs/DECODE_ATTENTION.md).
-//
-// Not done yet: every warp re-reads the whole Q tile for each tile (147 KB per tile, the largest
-// shared-memory stream; Q does not fit in registers beside the rest: the 1-byte kernels use
-// 208-226 registers); the phases of a tile (load issue, QK^T, softmax, P.V) are separated by
-// barriers; no PDL between the two launches. The split count is the caller's choice: one CTA
-// per SM, so num_splits * ceil(S_q*H / 16) * B should reach the SM count.
+// History and measurements (H200): docs/DECODE_ATTENTION.md. At H = 12, B = 64, context 16k:
+// bf16 389 us (73% of the copy ceiling), plain fp8 323 us (44%), fp8_ds_mla 384 us (42%). bf16 is
+// bound by the latency of a tile (about 3 us, the same for one CTA alone), the 1-byte formats by
+// the instructions of the conversion. The split count is the caller's choice: one CTA per SM, so
+// num_splits * ceil(S_q*H / 16) * B should reach the SM count.
 #include <cuda_runtime.h>
 
 #include <cmath>
