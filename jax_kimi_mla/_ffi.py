@@ -11,7 +11,9 @@ the operands, so a change of operand order or meaning must bump ``ABI_VERSION``.
 from __future__ import annotations
 
 import jax
+from jax import custom_batching
 
+from . import _partition
 from .formats import EPILOGUES, READERS
 from .formats import FFI_TARGETS as OPS
 
@@ -56,20 +58,32 @@ PUBLIC_NAMES = {e.target: e.op for e in EPILOGUES.values()} | {r: r for r in REA
 
 def call(op: str, inputs, result_shapes, aliases: dict[int, int], attrs: dict):
     """Runs one FFI target. ``aliases`` maps input index -> output index (in place); ``attrs``
-    are its attributes, typed as the handler binds them."""
-    target = jax.ffi.ffi_call(
-        target_name(op),
-        result_shapes,
-        input_output_aliases=aliases,
-        # Each batch element is an independent call on its own cache: a loop is always correct.
-        vmap_method="sequential",
-    )
+    are its attributes, typed as the handler binds them. Under a jit on sharded inputs the call
+    is partitioned by ``_partition``'s rule of the target; a scratch result comes back as None."""
+
+    def make_target(results):
+        return jax.ffi.ffi_call(target_name(op), results, input_output_aliases=aliases, vmap_method="sequential")
+
+    # vmap: each batch element is an independent call on its own cache, so a loop is always
+    # correct (custom_partitioning has no batching rule of its own).
+    @custom_batching.custom_vmap
+    def partitioned(*args):
+        return _partition.call(op, make_target, args, result_shapes, aliases, attrs)
+
+    @partitioned.def_vmap
+    def _sequential(axis_size, in_batched, *args):
+        def one(batched):
+            it = iter(batched)
+            return partitioned(*(next(it) if b else x for x, b in zip(args, in_batched)))
+
+        outs = jax.lax.map(one, [x for x, b in zip(args, in_batched) if b])
+        return outs, jax.tree.map(lambda _: True, outs)
 
     # The ops are inference-only: differentiating one says so at trace time, instead of jax's
     # generic "cannot differentiate" from inside the custom call.
     @jax.custom_jvp
     def run(*args):
-        return tuple(target(*args, **attrs))
+        return partitioned(*args)
 
     @run.defjvp
     def _no_derivative(primals, tangents):
