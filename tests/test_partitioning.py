@@ -11,7 +11,6 @@ Run on GPUs: ``python -P -m pytest tests/test_partitioning.py -k gpu`` (skips wi
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from _util import FORMATS, bits
@@ -70,7 +69,7 @@ def test_plain_jit_on_token_sharded_inputs_gathers_them_and_stays_correct(devs):
     assert_bits_equal(got, want)
 
 
-def attention_inputs(devs, fmt, q_tokens, seed=0):
+def attention_inputs(devs, fmt, q_tokens, seed=0):  # noqa: F811
     """A cache written by the single-device decode epilogue (zeros elsewhere), its mqa_q as
     [B, q_tokens, H, 576], random block tables (one id out of range) and lengths."""
     op, kw, static = make_inputs(devs, f"decode_{fmt}", rope=False, seed=seed)
@@ -173,7 +172,10 @@ def test_multi_device_plain_jit_is_not_exportable_but_its_shard_map_twin_is(devs
     specs = sharding.input_specs(op, head_axis="x")
     placed = {n: jax.device_put(x, NamedSharding(mesh, specs[n])) for n, x in kw.items()}
     platform = devs.devices[0].platform
-    with pytest.raises(NotImplementedError, match="host_callbacks"):
+    # jax 0.10.2: NotImplementedError "serialization of host_callbacks is not yet implemented"
+    # (the partitioner is kept alive by the lowering); a jax that got past it would still meet the
+    # custom-call check on the CustomSPMDPartitioning target (ValueError).
+    with pytest.raises((NotImplementedError, ValueError)):
         jax.export.export(jax.jit(op), platforms=(platform,), disabled_checks=_disabled_checks())(**placed)
 
     exported = jax.export.export(jax.jit(sharding.tensor_parallel(op, mesh, "x")), platforms=(platform,), disabled_checks=_disabled_checks())(**placed)
