@@ -16,6 +16,7 @@ import pytest
 from _util import FORMATS, bits
 from jax.sharding import NamedSharding, PartitionSpec
 from test_sharding import (  # noqa: F401 (devs: the 8-CPU / all-GPU fixture)
+    DeviceSet,
     assert_in_place_without_collectives,
     devs,
     make_inputs,
@@ -33,6 +34,13 @@ def collectives(hlo: str) -> list[str]:
     return [line.strip() for line in hlo.splitlines() if any(c in line for c in COLLECTIVES)]
 
 
+def assert_no_copy_of(hlo: str, shape) -> None:
+    """No copy instruction produces an array of the (per-device) cache's shape."""
+    dims = "[" + ",".join(map(str, shape)) + "]"
+    copies = [line.strip() for line in hlo.splitlines() if " copy(" in line and dims in line]
+    assert not copies, "\n".join(copies)
+
+
 def assert_bits_equal(got, want):
     assert len(got) == len(want)
     for g, w in zip(got, want):
@@ -48,6 +56,7 @@ def test_plain_jit_on_head_sharded_inputs_runs_locally_in_place(devs, name, rope
     want = single_device(devs, op, kw, static)
     got, hlo, before = run_sharded(op, op, mesh, kw, static, head_axis="x")
     assert_in_place_without_collectives(got, hlo, before)
+    assert_no_copy_of(hlo, kw["kv_cache"].shape)
     assert "CustomSPMDPartitioning" not in hlo  # partitioned away: the FFI call itself remains
     assert_bits_equal(got, want)
     for g in got[:-1]:  # per-head outputs stay head-sharded
@@ -67,6 +76,22 @@ def test_plain_jit_on_token_sharded_inputs_gathers_them_and_stays_correct(devs):
     placed = {n: x if n in static else jax.device_put(x, NamedSharding(mesh, specs[n])) for n, x in kw.items()}
     got = jax.jit(op, static_argnames=static)(**placed)
     assert_bits_equal(got, want)
+
+
+def test_columns_inputs_under_plain_jit(devs):  # noqa: F811
+    """k_nope and v as columns of kv_b_proj's head-sharded [T, H, 256] output: read in place on
+    each device's heads."""
+    mesh = devs.mesh()
+    op, kw, static = make_inputs(devs, "prefill_fp8", rope=True, seed=3)
+    kv = np.concatenate([kw.pop("k_nope"), kw.pop("v")], axis=-1)
+    want = single_device(devs, op, dict(kw, k_nope=kv[..., :128], v=kv[..., 128:]), static)
+    specs = sharding.input_specs(op, head_axis="x")
+    placed = {n: jax.device_put(x, NamedSharding(mesh, specs[n])) for n, x in kw.items()}
+    kv_sharded = jax.device_put(kv, NamedSharding(mesh, specs["k_nope"]))
+    step = jax.jit(lambda kv, **a: op(k_nope=jkm.columns(kv, 0), v=jkm.columns(kv, 128), **a))
+    hlo = step.lower(kv_sharded, **placed).compile().as_text()
+    assert not collectives(hlo), "\n".join(collectives(hlo))
+    assert_bits_equal(step(kv_sharded, **placed), want)
 
 
 def attention_inputs(devs, fmt, q_tokens, seed=0):  # noqa: F811
@@ -133,6 +158,7 @@ def test_decode_step_of_epilogue_and_attention_under_plain_jit(devs):  # noqa: F
     before = [s.data.unsafe_buffer_pointer() for s in placed["kv_cache"].addressable_shards]
     got = jitted(**placed)
     assert_in_place_without_collectives(got, hlo, before)
+    assert_no_copy_of(hlo, kw["kv_cache"].shape)
     assert_bits_equal(got, want)
 
 
@@ -189,7 +215,7 @@ def test_multi_device_plain_jit_is_not_exportable_but_its_shard_map_twin_is(devs
 def test_single_device_export_has_only_the_ffi_call():
     """With one device the partitioning wrapper lowers to the plain custom call (test_export.py
     round-trips such artifacts)."""
-    op, kw, static = make_inputs(type("One", (), {"T": 4, "H": 2, "N": 5, "D": 1, "rows_per_shard": 20})(), "decode_bf16", rope=False)
+    op, kw, static = make_inputs(DeviceSet(tuple(jax.devices("cpu")[:1])), "decode_bf16", rope=False)
     exported = jax.export.export(jax.jit(op), platforms=("cpu",), disabled_checks=_disabled_checks())(**kw)
     assert "CustomSPMDPartitioning" not in exported.mlir_module()
     assert _ffi.target_name("decode_kv_cache") in exported.mlir_module()
