@@ -82,11 +82,12 @@ def _sdy_rule(operand_dims, result_dims, aliases):
     return f"{', '.join(ops)} -> {', '.join(res)}", tuple(replicated)
 
 
-def _axes(arg_shapes, operand_dims, factor, size, taken=()):
-    """The mesh axes that shard ``factor`` in the first operand that has it, if they divide its
-    ``size`` and none of them is ``taken``; else () (replicated)."""
+def _axes(arg_shapes, operand_dims, factors, size, taken=()):
+    """The mesh axes that shard one of ``factors`` in the first operand that has it, if they
+    divide ``size`` and none of them is ``taken``; else () (replicated)."""
     for x, dims in zip(arg_shapes, operand_dims):
-        if factor in dims and isinstance(x.sharding, NamedSharding):
+        factor = next((f for f in factors if f in dims), None)
+        if factor is not None and isinstance(x.sharding, NamedSharding):
             entry = PartitionSpec(*x.sharding.spec, *(None,) * len(dims))[dims.index(factor)]
             axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
             n = math.prod(x.sharding.mesh.shape[a] for a in axes)
@@ -114,8 +115,9 @@ def call(op: str, make_target, inputs, result_shapes, aliases: dict[int, int], a
         return tuple(out[j] for j in kept)
 
     def decide(mesh, arg_shapes):
-        heads = _axes(arg_shapes, operand_dims, HEADS, sizes.get(HEADS, 1))
-        batch = _axes(arg_shapes, operand_dims, BATCH, sizes.get(BATCH, 1), taken=heads)
+        heads = _axes(arg_shapes, operand_dims, (HEADS,), sizes.get(HEADS, 1))
+        # Query rows split where sequences do: the batch size must divide by the axes.
+        batch = _axes(arg_shapes, operand_dims, (BATCH, ROWS), sizes.get(BATCH, 1), taken=heads)
         return {HEADS: heads, BATCH: batch, ROWS: batch}
 
     def sharding(mesh, dims, axes):

@@ -111,7 +111,7 @@ def attention_inputs(devs, fmt, q_tokens, seed=0):  # noqa: F811
     return args, fmt_kw
 
 
-@pytest.mark.parametrize("split", ["heads", "batch"])
+@pytest.mark.parametrize("split", ["heads", "batch", "batch_of_queries_only"])
 @pytest.mark.parametrize("q_tokens", [1, 2])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_ds_mla"])
 def test_plain_jit_decode_attention_on_sharded_queries_runs_locally(devs, fmt, q_tokens, split):  # noqa: F811
@@ -124,7 +124,7 @@ def test_plain_jit_decode_attention_on_sharded_queries_runs_locally(devs, fmt, q
     want = fn(**jax.tree.map(first, args), **jax.tree.map(first, arrays))
     q_spec = PartitionSpec(None, None, "x") if split == "heads" else PartitionSpec("x")
     specs = dict(mqa_q=q_spec, kv_cache=PartitionSpec())
-    per_seq = PartitionSpec() if split == "heads" else PartitionSpec("x")
+    per_seq = PartitionSpec("x") if split == "batch" else PartitionSpec()  # tables sliced locally otherwise
     specs |= dict(block_tables=per_seq, context_lens=per_seq)
     placed = {n: jax.device_put(x, NamedSharding(mesh, specs[n])) for n, x in args.items()}
     placed_arrays = {n: jax.device_put(x, NamedSharding(mesh, PartitionSpec())) for n, x in arrays.items()}
