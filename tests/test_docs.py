@@ -1,9 +1,11 @@
-"""The README's Python blocks run as written, in order, in one namespace (as a reader pastes them)."""
+"""The README's Python blocks run as written, in order, in one namespace (as a reader pastes them);
+so do docs/SHARDING.md's, the doctests and the ``::`` example blocks of the docstrings."""
 
 import re
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+SHARDING = README.parent / "docs" / "SHARDING.md"
 
 
 def python_blocks(text: str) -> list[str]:
@@ -21,6 +23,15 @@ def test_readme_python_blocks_run():
     # The decode steps did what the README says: the new tokens are in the caches, read back.
     assert namespace["latent"].shape == (4, 12, 512)
     assert bool((namespace["cached_latent"] != 0).any())
+
+
+def test_sharding_doc_python_blocks_run():
+    """docs/SHARDING.md's example, on every device of the default backend (8 CPUs in the tests)."""
+    namespace = {"__name__": "sharding_doc"}
+    blocks = python_blocks(SHARDING.read_text())
+    assert blocks
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"docs/SHARDING.md python block {i + 1}", "exec"), namespace)  # noqa: S102
 
 
 def test_docstring_examples_run():
