@@ -49,9 +49,11 @@ TOLERANCE = {"bf16": 0.03, "fp8": 0.25, "fp8_ds_mla": 0.15}
 FORMATS = ml.CACHE_FORMATS
 # The quantized twin of a step: the same layer with jax_kimi_mla.reference's ops on the same cache,
 # so the same quantized q, k, v and cache values; only the float rounding of the attention
-# separates them. Measured: prefill steps equal bit for bit, decode steps within 0.004 (a bf16
-# rounding of the latent or the output). Attending one token short is off by 0.1-0.9.
-TWIN_RTOL, TWIN_ATOL = 0.0, 0.02
+# separates them. Measured on the CPU: prefill steps equal bit for bit, decode steps within 0.004
+# (a bf16 rounding of the latent or the output). The CUDA decode attention may differ from the
+# reference by 2^-6 relative on the latent (test_decode_attention's tolerance), hence a wider
+# limit on a GPU (not yet measured there). Attending one token short is off by 0.1-1.3.
+TWIN_RTOL, TWIN_ATOL = 0.0, 0.02 if jax.default_backend() == "cpu" else 0.08
 
 prefill_step = jax.jit(ml.prefill, static_argnames="config", donate_argnums=4)
 decode_step = jax.jit(ml.decode, static_argnames="config", donate_argnums=6)
@@ -285,8 +287,9 @@ def test_the_twin_check_catches_an_off_by_one_token(fmt, shift):
     run = Run(fmt, True, 54, twin_atol=TWIN_ATOL, layer_ops=off_by_one_ops(shift))
     with pytest.raises(AssertionError, match="decode step against its quantized twin"):
         run_and_check(run)
-    *prefill, decode = run.twin_errors  # every prefill step passed, bit for bit; the first decode failed
-    assert prefill == [0.0] * sum(map(len, CHUNKS.values())) and not decode <= 5 * TWIN_ATOL, run.twin_errors  # NaN: an unwritten row
+    *prefill, decode = run.twin_errors  # every prefill step passed; the first decode failed
+    assert len(prefill) == sum(map(len, CHUNKS.values())) and max(prefill) <= TWIN_ATOL, run.twin_errors
+    assert not decode <= 4 * TWIN_ATOL, run.twin_errors  # far outside the limit (NaN: an unwritten row)
 
 
 @pytest.mark.parametrize("fmt, rope, seed", [("fp8", True, 11), ("fp8_ds_mla", False, 12)])
