@@ -165,8 +165,12 @@ def test_decode_step_of_epilogue_and_attention_under_plain_jit(devs):  # noqa: F
 @pytest.fixture
 def shardy(request):
     """Runs a test under Shardy (jax's default) and under the older GSPMD partitioner."""
-    previous = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", request.param)
+    previous = getattr(jax.config, "jax_use_shardy_partitioner", True)
+    if request.param != previous:
+        try:
+            jax.config.update("jax_use_shardy_partitioner", request.param)
+        except (AttributeError, ValueError) as e:  # a jax without GSPMD
+            pytest.skip(f"this jax cannot switch the partitioner: {e}")
     yield request.param
     jax.config.update("jax_use_shardy_partitioner", previous)
 
