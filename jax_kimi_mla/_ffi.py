@@ -11,7 +11,11 @@ the operands, so a change of operand order or meaning must bump ``ABI_VERSION``.
 from __future__ import annotations
 
 import jax
+from jax import custom_batching
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
 
+from . import _partition
 from .formats import EPILOGUES, READERS
 from .formats import FFI_TARGETS as OPS
 
@@ -49,6 +53,32 @@ else:
 
 HAS_CUDA_MODULE = _cuda is not None
 
+BUILD_CUDA_HINT = (
+    "jax_kimi_mla was built without its CUDA module (no nvcc was found when it was installed), so"
+    " its ops have no GPU kernels. Reinstall it with the CUDA toolkit's nvcc on PATH, forcing the"
+    " CUDA build so that a missing nvcc fails loudly: JAX_KIMI_MLA_CUDA=ON pip install . from the"
+    " source tree (README.md), or install a wheel built by scripts/build_wheel.sh; or run the op on"
+    " the CPU (jax.devices('cpu'))."
+)
+
+# Without the CUDA module, each call passes its first operand through this identity, whose CUDA
+# lowering (outside jax.export) says what to do instead of XLA's "no registered implementation
+# for custom call" at compile time.
+_missing_cuda_p = Primitive("jax_kimi_mla_missing_cuda_module")
+_missing_cuda_p.def_abstract_eval(lambda x, *, op: x)
+_missing_cuda_p.def_impl(lambda x, *, op: x)
+mlir.register_lowering(_missing_cuda_p, lambda ctx, x, *, op: [x])
+batching.primitive_batchers[_missing_cuda_p] = lambda args, dims, *, op: (_missing_cuda_p.bind(*args, op=op), dims[0])
+
+
+def _missing_cuda_lowering(ctx, x, *, op):
+    if ctx.module_context.lowering_parameters.for_export:  # an artifact may target CUDA from anywhere
+        return [x]
+    raise RuntimeError(f"jax_kimi_mla.{PUBLIC_NAMES[op]} was called on a GPU, but {BUILD_CUDA_HINT}")
+
+
+mlir.register_lowering(_missing_cuda_p, _missing_cuda_lowering, platform="cuda")
+
 
 # The public function of each target, for messages.
 PUBLIC_NAMES = {e.target: e.op for e in EPILOGUES.values()} | {r: r for r in READERS}
@@ -56,20 +86,34 @@ PUBLIC_NAMES = {e.target: e.op for e in EPILOGUES.values()} | {r: r for r in REA
 
 def call(op: str, inputs, result_shapes, aliases: dict[int, int], attrs: dict):
     """Runs one FFI target. ``aliases`` maps input index -> output index (in place); ``attrs``
-    are its attributes, typed as the handler binds them."""
-    target = jax.ffi.ffi_call(
-        target_name(op),
-        result_shapes,
-        input_output_aliases=aliases,
-        # Each batch element is an independent call on its own cache: a loop is always correct.
-        vmap_method="sequential",
-    )
+    are its attributes, typed as the handler binds them. Under a jit on sharded inputs the call
+    is partitioned by ``_partition``'s rule of the target; a scratch result comes back as None."""
+
+    def make_target(results):
+        return jax.ffi.ffi_call(target_name(op), results, input_output_aliases=aliases, vmap_method="sequential")
+
+    # vmap: each batch element is an independent call on its own cache, so a loop is always
+    # correct (custom_partitioning has no batching rule of its own).
+    @custom_batching.custom_vmap
+    def partitioned(*args):
+        if not HAS_CUDA_MODULE:
+            args = (_missing_cuda_p.bind(args[0], op=op), *args[1:])
+        return _partition.call(op, make_target, args, result_shapes, aliases, attrs)
+
+    @partitioned.def_vmap
+    def _sequential(axis_size, in_batched, *args):
+        def one(batched):
+            it = iter(batched)
+            return partitioned(*(next(it) if b else x for x, b in zip(args, in_batched)))
+
+        outs = jax.lax.map(one, [x for x, b in zip(args, in_batched) if b])
+        return outs, jax.tree.map(lambda _: True, outs)
 
     # The ops are inference-only: differentiating one says so at trace time, instead of jax's
     # generic "cannot differentiate" from inside the custom call.
     @jax.custom_jvp
     def run(*args):
-        return tuple(target(*args, **attrs))
+        return partitioned(*args)
 
     @run.defjvp
     def _no_derivative(primals, tangents):

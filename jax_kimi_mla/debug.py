@@ -19,7 +19,8 @@ the returned error (a ``checkify.JaxRuntimeError``, which is a ``ValueError``)::
         check_inputs(kv_cache, slot_mapping, block_size=16)
         return fused_mla_decode_q_concat_kv_cache_insert(ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping)
 
-    err, (mqa_q, kv_cache) = jax.jit(checkify.checkify(step), donate_argnums=(4,))(...)
+    err, (mqa_q, kv_cache) = jax.jit(checkify.checkify(step), donate_argnums=(4,))(
+        ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping)
     err.throw()  # reports the first offending token of the first failed check
 
 Called under ``jax.jit`` without ``checkify.checkify``, tracing fails with JAX's "Cannot

@@ -1,8 +1,9 @@
 """Running the epilogues on several devices: tensor parallel (heads) and data parallel (tokens).
 
-A plain ``jax.jit`` on sharded inputs would all-gather them and run the whole custom call on every
-device. These helpers wrap an op in ``shard_map`` instead: each device runs the op on its own
-shard, no collective is inserted, and a donated cache stays aliased per device.
+Under a plain ``jax.jit`` the ops' partitioning rules already keep head-sharded inputs local
+(with the cache replicated), but gather token-sharded ones (docs/SHARDING.md). These helpers
+wrap an op in ``shard_map``: each device runs the op on its own shard, no collective is inserted,
+a donated cache stays aliased per device, and data parallelism with local slots is possible.
 
 Tensor parallel, ``tensor_parallel(op, mesh, "tp")``: the heads are split across the axis, the
 latent cache is replicated. Per-head inputs and outputs (``q``, ``k_nope``, ``v``, ``ql_nope``,

@@ -227,3 +227,29 @@ def test_importing_the_source_tree_without_its_compiled_modules_says_what_to_do(
     result = subprocess.run([sys.executable, "-c", "import source_tree_copy"], cwd=tmp_path, capture_output=True, text=True, check=False)
     assert result.returncode != 0
     assert "compiled module _cpu was not found" in result.stderr and "pip install -e ." in result.stderr and "-P" in result.stderr
+
+
+@pytest.mark.parametrize("fmt", ["decode_bf16", "reader"])
+def test_gpu_call_without_the_cuda_module_says_how_to_build_it(fmt, monkeypatch):
+    """Lowering for CUDA without the CUDA module fails with the build instructions, not XLA's
+    unknown custom-call target (forced on machines that have the module); jax.export for CUDA
+    still works without it (the artifact only names the targets)."""
+    from jax_kimi_mla import _ffi
+
+    monkeypatch.setattr(_ffi, "HAS_CUDA_MODULE", False)
+    if fmt == "reader":
+        name, args = "gather_mla_cache", (np.zeros((4, 2, 576), ml_dtypes.bfloat16), np.zeros((2, 2), np.int32), np.ones(2, np.int32))
+        fn = jax.jit(jax_kimi_mla.gather_mla_cache)
+    else:
+        a = base(fmt)
+        name, args = "fused_mla_decode_q_concat_kv_cache_insert", ()
+        fn = jax.jit(lambda: invoke(jax_kimi_mla, fmt, a))
+    with pytest.raises(RuntimeError) as e:
+        fn.trace(*args).lower(lowering_platforms=("cuda",))
+    message = str(e.value)
+    assert message.startswith(f"jax_kimi_mla.{name} was called on a GPU, but jax_kimi_mla was built without its CUDA module")
+    assert "JAX_KIMI_MLA_CUDA=ON pip install ." in message and "scripts/build_wheel.sh" in message
+    disabled = [jax.export.DisabledSafetyCheck.custom_call(_ffi.target_name(op)) for op in _ffi.OPS]
+    exported = jax.export.export(fn, platforms=("cuda",), disabled_checks=disabled)(*args)
+    assert _ffi.target_name(name if fmt == "reader" else "decode_kv_cache") in exported.mlir_module()
+    assert len(fn.trace(*args).lower(lowering_platforms=("cpu",)).as_text()) > 0  # the CPU lowering is untouched
