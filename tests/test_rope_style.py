@@ -242,3 +242,25 @@ def test_cuda_neox_128_heads(fmt):
     got = run(jax_kimi_mla, fmt, "neox", a, "cuda")
     check_against_reference(fmt, got, reference(fmt, "neox", a), True, a["slot_mapping"])
     check_untouched_rows(got[-1], a["kv_cache"], a["slot_mapping"])
+
+
+@pytest.mark.parametrize("fmt", ["prefill_bf16", "decode_fp8"])
+def test_tensor_parallel_passes_the_style(fmt):
+    """sharding.tensor_parallel keeps rope_style static (a string is no array to shard)."""
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("tp",))
+    a = make_case(Case(fmt, 6, 4, rope=True, seed=21))
+    e = jax_kimi_mla.formats.EPILOGUES[fmt]
+    op = jax_kimi_mla.sharding.tensor_parallel(functools.partial(getattr(jax_kimi_mla, e.op), **e.static_kwargs), mesh, "tp")
+    got = to_numpy(jax.jit(lambda a: invoke_with(op, fmt, a))(a))  # uncommitted: placed by the mesh
+    want = run(jax_kimi_mla, fmt, "neox", a, "cpu")
+    for (name, _, _), g, w in zip(OUTPUTS[fmt], got, want):
+        assert_bits_equal(g, w, f"{fmt} {name}: tensor parallel vs one device, NeoX")
+
+
+def invoke_with(fn, fmt, a):
+    from _util import split_args
+
+    args, kwargs = split_args(fmt, a)
+    return fn(*args, **kwargs, rope_style="neox")

@@ -2,12 +2,13 @@
 // lanes are [72 cache-entry lanes | head row 0 of every head | head row 1 of every head | ...].
 // A block covers lanes of one token, so its slot, position and cos/sin row are block-wide. The
 // kernel is compiled per op, RoPE off / GPT-J / NeoX and activation dtype, so each lane's place
-// is constant arithmetic. With NeoX, pe lane j < 4 of a row owns pe chunks j and j + 4 (its pairs'
-// two halves: it loads both, then stores both, so a row rotated in place is never read after
-// another thread wrote it); lanes j >= 4 are idle. Each thread owns kLanesPerThread lanes and runs in three phases: all loads, then
-// the cos/sin row into shared memory, then the arithmetic and stores, so no load waits on
-// another lane's work. The 16 lanes of a ds_mla scale tile are one half warp (threads 0..63 of
-// a token's first block) and reduce their amax by shuffles.
+// is constant arithmetic. With NeoX, pe lane j < 4 of a row owns pe chunks j and j + 4 (its
+// pairs' two halves: it loads both, then stores both, so a row rotated in place is never read
+// after another thread wrote it); lanes j >= 4 are idle. Each thread owns kLanesPerThread lanes
+// and runs in three phases: all loads, then the cos/sin row into shared memory, then the
+// arithmetic and stores, so no load waits on another lane's work. The 16 lanes of a ds_mla
+// scale tile are one half warp (threads 0..63 of a token's first block) and reduce their amax
+// by shuffles.
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -132,7 +132,8 @@ JKM_HD void rope8(RopeStyle style, const float* rope_row, int j, float v[kChunk]
     }
     return;
   }
-  for (int i = 0; i < kChunk; ++i) v[i] = rope_element(style, j * kChunk + i, v[i], partner[i], rope_row);
+  for (int i = 0; i < kChunk; ++i)
+    v[i] = rope_element(style, j * kChunk + i, v[i], partner[i], rope_row);
 }
 
 // rope8 on raw chunks: the partner chunk is widened only for NeoX.
