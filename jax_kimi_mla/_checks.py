@@ -50,12 +50,23 @@ def columns(x, start: int) -> Columns:
 
 @dataclass(frozen=True)
 class Checked:
-    """What the checks learned: token count, head count, activation dtype, RoPE on/off."""
+    """What the checks learned: token count, head count, activation dtype, RoPE on/off and style."""
 
     tokens: int
     heads: int
     act: jnp.dtype
     rope: bool
+    rope_style: str = "gptj"
+
+
+ROPE_STYLES = ("gptj", "neox")
+
+
+def rope_style(x) -> str:
+    """The RoPE pairing: "gptj" (elements 2i, 2i + 1) or "neox" (elements i, i + 32)."""
+    if not isinstance(x, str) or x not in ROPE_STYLES:
+        raise ValueError(f'rope_style must be "gptj" (interleaved pairs) or "neox" (rotate-half), got {x!r}')
+    return x
 
 
 def as_array(name: str, x):
@@ -72,13 +83,29 @@ def as_array(name: str, x):
 
 
 def cache(x, fmt: CacheFormat, act, why: str = ""):
-    """Checks kv_cache against its format; ``why`` says how the call chose that format."""
+    """Checks kv_cache against its format; ``why`` says how the call chose that format. Rows may
+    be wider than the entry (padded) when their size is a multiple of 16 bytes."""
     x = as_array("kv_cache", x)
     want = fmt.cache_dtype(act)
     if jnp.dtype(x.dtype) != want:
         raise TypeError(f"kv_cache must have dtype {want} for {fmt.what}{why}, got {x.dtype}")
-    expect_shape("kv_cache", x, (None, None, fmt.width), f"[num_blocks, block_size, {fmt.width}] ({fmt.what}{why})")
+    shape = tuple(x.shape)
+    if len(shape) != 3 or shape[2] < fmt.width:
+        raise ValueError(f"kv_cache must be [num_blocks, block_size, {fmt.width}] ({fmt.what}{why}), got shape {shape}")
+    padded_row("kv_cache", shape[2], fmt, want, f"shape {shape}", why)
     return x
+
+
+def padded_row(name: str, width: int, fmt: CacheFormat, dtype, got: str, why: str = "") -> None:
+    """A cache row of ``width`` elements wider than the entry must be a multiple of 16 bytes
+    (the kernels move rows in 16-byte pieces)."""
+    item = jnp.dtype(dtype).itemsize
+    if width > fmt.width and width * item % 16:
+        step = 16 // item
+        raise ValueError(
+            f"{name}: rows wider than the {fmt.width}-element entry ({fmt.what}{why}) must be padded to a multiple"
+            f" of 16 bytes, e.g. {-(-width // step) * step} elements; got {got}"
+        )
 
 
 def _names(dtypes) -> str:
@@ -107,6 +134,7 @@ class _Checker:
         self.tokens, self.heads = int(x.shape[0]), int(x.shape[1])
         self.act = jnp.dtype(x.dtype)
         self.first_name = first_name
+        self.rope_style = "gptj"
 
     def _tokens_match(self, name: str, x) -> None:
         if x.ndim >= 1 and x.shape[0] != self.tokens:
@@ -171,7 +199,8 @@ class _Checker:
     def cache(self, x, fmt: CacheFormat, why: str = ""):
         return cache(x, fmt, self.act, why)
 
-    def rope(self, positions, cos_sin_cache):
+    def rope(self, positions, cos_sin_cache, style="gptj"):
+        self.rope_style = rope_style(style)
         if (positions is None) != (cos_sin_cache is None):
             given, missing = ("positions", "cos_sin_cache") if cos_sin_cache is None else ("cos_sin_cache", "positions")
             raise ValueError(f"RoPE needs both positions and cos_sin_cache: {given} was given without {missing}")
@@ -186,7 +215,7 @@ class _Checker:
         return positions, cos_sin_cache
 
     def done(self, rope: bool) -> Checked:
-        return Checked(self.tokens, self.heads, self.act, rope)
+        return Checked(self.tokens, self.heads, self.act, rope, self.rope_style)
 
 
 COLUMN_WIDTHS = {"k_nope": P, "v": V, "k_pe": R, "q_pe": R}  # the inputs that accept columns()
@@ -224,7 +253,7 @@ def fp8_prefill_scales(q_scale_inv, k_scale_inv, v_scale_inv, cache_scale_inv) -
     return [scale(n, s) for n, s in named]
 
 
-def prefill(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, *, cache_format, v=None):
+def prefill(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, *, cache_format, v=None, style="gptj"):
     """Checks a prefill call; ``cache_format`` is a name of ``formats.CACHE_FORMATS``."""
     c = _Checker("q", q, P + R)
     args = dict(
@@ -237,11 +266,11 @@ def prefill(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos
         args["v"] = c.per_head("v", v, V)
     args["kv_cache"] = c.cache(kv_cache, CACHE_FORMATS[cache_format])
     args["slot_mapping"] = c.index("slot_mapping", slot_mapping)
-    args["positions"], args["cos_sin_cache"] = c.rope(positions, cos_sin_cache)
+    args["positions"], args["cos_sin_cache"] = c.rope(positions, cos_sin_cache, style)
     return c.done(positions is not None), args
 
 
-def decode(ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, ds_mla, q_scale_inv, cache_scale_inv, positions, cos_sin_cache):
+def decode(ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, ds_mla, q_scale_inv, cache_scale_inv, positions, cos_sin_cache, style="gptj"):
     """Checks a decode call and picks its cache format (a name of ``formats.CACHE_FORMATS``)."""
     c = _Checker("ql_nope", ql_nope, L)
     args = dict(
@@ -274,7 +303,7 @@ def decode(ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, ds_mla, q_s
         args["kv_cache"] = c.cache(cache, CACHE_FORMATS["bf16"])
         fmt = "bf16"
     args["slot_mapping"] = c.index("slot_mapping", slot_mapping)
-    args["positions"], args["cos_sin_cache"] = c.rope(positions, cos_sin_cache)
+    args["positions"], args["cos_sin_cache"] = c.rope(positions, cos_sin_cache, style)
     return c.done(positions is not None), fmt, args
 
 

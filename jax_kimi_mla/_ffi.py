@@ -29,18 +29,23 @@ except ImportError as e:  # the source tree without its compiled modules, most l
         " shadow it."
     ) from e
 
-ABI_VERSION = 1
+ABI_VERSION = 2
+# Older versions whose names stay registered, to the same handlers: every v1 program computes
+# under them what it did under v1 (v1 calls carry no rope_style attribute, which means GPT-J, and
+# v1 caches have unpadded rows). docs/ABI.md lists what changed.
+COMPATIBLE_ABI_VERSIONS = (1,)
 
 
-def target_name(op: str) -> str:
-    return f"jax_kimi_mla_{op}_v{ABI_VERSION}"
+def target_name(op: str, version: int = ABI_VERSION) -> str:
+    return f"jax_kimi_mla_{op}_v{version}"
 
 
 def _register(module, platform: str) -> None:
     registrations = module.registrations()
     assert tuple(registrations) == OPS, f"{module.__name__} registers {tuple(registrations)}"
     for op, capsule in registrations.items():
-        jax.ffi.register_ffi_target(target_name(op), capsule, platform=platform)
+        for version in (ABI_VERSION, *COMPATIBLE_ABI_VERSIONS):
+            jax.ffi.register_ffi_target(target_name(op, version), capsule, platform=platform)
 
 
 _register(_cpu, "cpu")

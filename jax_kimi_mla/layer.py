@@ -19,6 +19,9 @@ The cache is paged: token t of a sequence lives in row ``slot = block * block_si
   attention layer), not beside the cache, which stays a single donatable array;
 - ``"fp8_ds_mla"``: [N, bs, 656] uint8 entries (E4M3 latent, tile scales, bf16 k_pe).
 
+Rows may be padded (``allocate_cache(..., row_width=640)``): the ops read and write the entry in
+their first columns.
+
 A stack of layers shares one cache [layers, N, bs, W]: pass ``layer=i`` and the ops address that
 layer's rows of the whole stacked buffer, so the donated stack is updated in place with no slice
 copied out and back (see :func:`scan_layers`).
@@ -47,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import ops
+from . import _checks, ops
 from ._checks import columns
 from .formats import CACHE_FORMATS, ENTRY, L, P, R, V
 from .numerics import E4M3_MAX, rope
@@ -72,6 +75,7 @@ class MLAConfig:
     softmax_scale: float | None = None  # None: 1 / sqrt(192); YaRN models fold in mscale^2
     output_gate: bool = False  # Kimi-K3: attention output * sigmoid(x @ g_proj) before o_proj
     attention_block: int = 512  # prefill attention runs in tiles of this many queries x keys
+    rope_style: str = "gptj"  # with a cos/sin table: "gptj" (interleaved pairs) or "neox" (rotate-half)
 
     @property
     def attention_scale(self) -> float:
@@ -80,6 +84,7 @@ class MLAConfig:
     def __post_init__(self):
         if self.cache_format not in CACHE_FORMATS:
             raise ValueError(f"cache_format must be one of {tuple(CACHE_FORMATS)}, got {self.cache_format!r}")
+        _checks.rope_style(self.rope_style)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_layers"))
@@ -114,12 +119,22 @@ def init_params(key, config: MLAConfig, num_layers: int | None = None):
     return params
 
 
-def allocate_cache(config: MLAConfig, num_blocks: int, block_size: int, num_layers: int | None = None):
+def allocate_cache(config: MLAConfig, num_blocks: int, block_size: int, num_layers: int | None = None, *, row_width: int | None = None):
     """A zeroed paged cache [num_blocks, block_size, W] (with [num_layers] in front if given):
-    W = 576 in the activation dtype ("bf16"), 576 float8_e4m3fn ("fp8"), 656 uint8 ("fp8_ds_mla")."""
+    W = 576 in the activation dtype ("bf16"), 576 float8_e4m3fn ("fp8"), 656 uint8 ("fp8_ds_mla").
+
+    ``row_width`` pads each row to W = row_width elements (e.g. 640, as tpu-inference lays out its
+    latent cache): at least the entry, and a multiple of 16 bytes when wider. Entries go to the
+    first columns of their row; the ops never write the padding.
+    """
     fmt = CACHE_FORMATS[config.cache_format]
+    dtype = fmt.cache_dtype(config.dtype)
+    width = fmt.width if row_width is None else row_width
+    if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or width < fmt.width:
+        raise ValueError(f"row_width must be None or an int >= {fmt.width} (the {config.cache_format} entry), got {row_width!r}")
+    _checks.padded_row("row_width", int(width), fmt, dtype, f"row_width={width}")
     lead = () if num_layers is None else (num_layers,)
-    return jnp.zeros((*lead, num_blocks, block_size, fmt.width), fmt.cache_dtype(config.dtype))
+    return jnp.zeros((*lead, num_blocks, block_size, int(width)), dtype)
 
 
 def _proj(spec, x, w):
@@ -206,8 +221,10 @@ def _blockwise_attention(q, k, v, q_seq, q_pos, k_seq, k_pos, k_valid, scale, bl
     return out.reshape(-1, H, Dv)[:T]
 
 
-def _rope_kwargs(positions, cos_sin_cache):
-    return {} if cos_sin_cache is None else {"positions": positions, "cos_sin_cache": cos_sin_cache}
+def _rope_kwargs(positions, cos_sin_cache, config):
+    if cos_sin_cache is None:
+        return {}
+    return {"positions": positions, "cos_sin_cache": cos_sin_cache, "rope_style": config.rope_style}
 
 
 def prefill(
@@ -230,7 +247,8 @@ def prefill(
         S and T can be bucketed). Then block_table is [S, max_blocks] and context_len [S] (or
         both None: no context).
       layer: index (may be traced) of this layer in a stacked cache.
-      cos_sin_cache: float32 [max_position, 64] turns GPT-J RoPE on; None = NoPE (Kimi-K3).
+      cos_sin_cache: float32 [max_position, 64] turns RoPE on (``config.rope_style``: GPT-J by
+        default, or NeoX); None = NoPE (Kimi-K3).
 
     Returns:
       (out [T, hidden] activation dtype, kv_cache). Each token attends to its own sequence only:
@@ -240,7 +258,7 @@ def prefill(
     fmt, act = config.cache_format, config.dtype
     cache, base, rows = _layer_rows(kv_cache, layer)
     slots = _cache_slots(slot_mapping, base, rows)
-    rope_kw = _rope_kwargs(positions, cos_sin_cache)
+    rope_kw = _rope_kwargs(positions, cos_sin_cache, config)
     q, kv_a, kv_c_normed = _projections(params, x, config)
     kv = _proj("tl,lhc->thc", kv_c_normed, params["kv_b_proj"])  # [T, H, 256] = [k_nope | v]
     if fmt == "fp8":
@@ -349,7 +367,7 @@ def decode(params, x, positions, slot_mapping, block_tables, context_lens, kv_ca
     q, kv_a, kv_c_normed = _projections(params, x.reshape(B * S, -1), config)
     w_uk, w_uv = params["kv_b_proj"][..., :P], params["kv_b_proj"][..., P:]
     ql_nope = _proj("bhp,lhp->bhl", q[..., :P], w_uk)
-    kw = _rope_kwargs(positions.reshape(B * S), cos_sin_cache)
+    kw = _rope_kwargs(positions.reshape(B * S), cos_sin_cache, config)
     scales = {}
     if fmt == "fp8":
         scales = {"q_scale_inv": params["fp8_scale_inv"]["q"], "cache_scale_inv": params["fp8_scale_inv"]["cache"]}
@@ -422,7 +440,8 @@ def reference_attention(params, x, positions, *, config, cos_sin_cache=None):
     kv = jnp.einsum("tl,lhc->thc", _rms_norm(kv_a[:, :L], p32["kv_a_norm"], config.rms_norm_eps), p32["kv_b_proj"])
     q_pe, k_pe = q[..., P:], kv_a[:, L:]
     if cos_sin_cache is not None:
-        q_pe, k_pe = rope(q_pe, positions, cos_sin_cache), rope(k_pe, positions, cos_sin_cache)
+        style = config.rope_style
+        q_pe, k_pe = rope(q_pe, positions, cos_sin_cache, style), rope(k_pe, positions, cos_sin_cache, style)
     S, H = x.shape[0], q.shape[1]
     q = jnp.concatenate([q[..., :P], q_pe], -1)
     k = jnp.concatenate([kv[..., :P], jnp.broadcast_to(k_pe[:, None, :], (S, H, R))], -1)

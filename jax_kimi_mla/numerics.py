@@ -35,12 +35,19 @@ def make_cos_sin_cache(max_position: int, *, base: float = 10000.0, rope_dim: in
     return jnp.asarray(np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32))
 
 
-def rope(x, positions, cos_sin_cache):
-    """GPT-J RoPE of float32 x [T, ..., 64] at positions [T] (clamped into the table)."""
+def rope(x, positions, cos_sin_cache, style: str = "gptj"):
+    """RoPE of float32 x [T, ..., 64] at positions [T] (clamped into the table).
+
+    Pair i turns by (cos, sin) = columns (i, 32 + i) of the position's table row. ``style``
+    "gptj" pairs elements (2i, 2i + 1), "neox" (rotate-half) pairs elements (i, i + 32).
+    """
     rows = cos_sin_cache[jnp.clip(positions, 0, cos_sin_cache.shape[0] - 1)]
     extra = (1,) * (x.ndim - 2)
     cos = rows[:, : R // 2].reshape(x.shape[0], *extra, R // 2)
     sin = rows[:, R // 2 :].reshape(x.shape[0], *extra, R // 2)
+    if style == "neox":
+        x0, x1 = x[..., : R // 2], x[..., R // 2 :]
+        return jnp.concatenate([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
     x0, x1 = x[..., 0::2], x[..., 1::2]
     return jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(x.shape)
 
@@ -79,14 +86,20 @@ def ds_mla_encode(latent, pe_bf16):
 def ds_mla_dequantize(entries):
     """Reads fp8_ds_mla entries: uint8 [..., 656] -> (latent float32 [..., 512], k_pe bfloat16 [..., 64]).
 
+    Padded rows (uint8 [..., W], W > 656 a multiple of 16) are read from their first 656 bytes.
+
     >>> kv_cache = jnp.zeros((4, 16, 656), jnp.uint8)  # an fp8_ds_mla cache [num_blocks, block_size, 656]
     >>> latent, k_pe = ds_mla_dequantize(kv_cache)
     >>> latent.shape, latent.dtype, k_pe.shape, k_pe.dtype
     ((4, 16, 512), dtype('float32'), (4, 16, 64), dtype(bfloat16))
     """
     entries = jnp.asarray(entries)
-    if entries.dtype != jnp.uint8 or entries.ndim < 1 or entries.shape[-1] != DS_MLA_ENTRY_BYTES:
-        raise ValueError(f"entries must be uint8 [..., 656], got {entries.dtype} {tuple(entries.shape)}")
+    width = entries.shape[-1] if entries.ndim else 0
+    if entries.dtype != jnp.uint8 or width < DS_MLA_ENTRY_BYTES or (width > DS_MLA_ENTRY_BYTES and width % 16):
+        raise ValueError(
+            f"entries must be uint8 [..., 656] (or rows padded to a multiple of 16 bytes), got {entries.dtype} {tuple(entries.shape)}"
+        )
+    entries = entries[..., :DS_MLA_ENTRY_BYTES]
     lead = entries.shape[:-1]
     codes = jax.lax.bitcast_convert_type(entries[..., :L], jnp.float8_e4m3fn).astype(jnp.float32)
     scale = jax.lax.bitcast_convert_type(entries[..., L : L + 16].reshape(*lead, 4, 4), jnp.float32)

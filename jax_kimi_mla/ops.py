@@ -35,11 +35,11 @@ _NO_POSITIONS = ((0,), jnp.int32)
 _NO_COS_SIN = ((0, _checks.R), jnp.float32)
 
 
-def _operands(a, epilogue: Epilogue, scales=()):
+def _operands(a, epilogue: Epilogue, checked, scales=()):
     """The FFI operands of an epilogue target: its checked inputs, then the RoPE pair (empty
-    stand-ins without RoPE), then its scales; and the column attributes of inputs given as
-    ``columns(...)``."""
-    operands, attrs = [], {}
+    stand-ins without RoPE), then its scales; and its attributes: ``rope_style``, and the column
+    attributes of inputs given as ``columns(...)``."""
+    operands, attrs = [], {"rope_style": checked.rope_style}
     for name in epilogue.inputs:
         x = a[name]
         if isinstance(x, _checks.Columns):
@@ -63,14 +63,14 @@ def _call(epilogue: Epilogue, operands, result_shapes, attrs, aliases=None):
     return _ffi.call(epilogue.target, operands, result_shapes, aliases, attrs)
 
 
-def _prefill(epilogue: Epilogue, q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache):
+def _prefill(epilogue: Epilogue, q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, rope_style):
     checked, a = _checks.prefill(
-        q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, cache_format=epilogue.cache_format.name
+        q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, cache_format=epilogue.cache_format.name, style=rope_style
     )
     T, H = checked.tokens, checked.heads
     # Without RoPE q comes back unchanged: the handler gets empty stand-ins and never touches it.
     q_in = a["q"] if checked.rope else jnp.zeros((0,), checked.act)
-    operands, attrs = _operands(dict(a, q=q_in), epilogue)
+    operands, attrs = _operands(dict(a, q=q_in), epilogue, checked)
     k, q_out, cache = _call(
         epilogue,
         operands,
@@ -81,7 +81,7 @@ def _prefill(epilogue: Epilogue, q, k_nope, k_pe, kv_c_normed, kv_cache, slot_ma
     return k, (q_out if checked.rope else a["q"]), cache
 
 
-def fused_mla_key_concat_kv_cache_insert(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, *, positions=None, cos_sin_cache=None):
+def fused_mla_key_concat_kv_cache_insert(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, *, positions=None, cos_sin_cache=None, rope_style="gptj"):
     """Prefill epilogue, bf16/fp16 cache: per-head key concat, optional RoPE, cache insert.
 
     Args:
@@ -89,9 +89,13 @@ def fused_mla_key_concat_kv_cache_insert(q, k_nope, k_pe, kv_c_normed, kv_cache,
       k_nope: [T, H, 128] activation dtype.
       k_pe: [T, 64] or [T, 1, 64] activation dtype.
       kv_c_normed: [T, 512] activation dtype.
-      kv_cache: [num_blocks, block_size, 576] activation dtype. Donate it to update it in place.
+      kv_cache: [num_blocks, block_size, 576] activation dtype (or rows padded to W > 576
+        elements, a multiple of 16 bytes: entries go to the first 576, the padding is never
+        written). Donate it to update it in place.
       slot_mapping: [T] int32 or int64; row ``slot`` of the flattened cache, < 0 = padding.
-      positions: [T] int32 or int64, with ``cos_sin_cache`` float32 [max_position, 64]: GPT-J RoPE.
+      positions: [T] int32 or int64, with ``cos_sin_cache`` float32 [max_position, 64]: RoPE.
+      rope_style: "gptj" (pairs of elements 2i, 2i + 1 of the 64-wide rope part; the default) or
+        "neox" (rotate-half: elements i, i + 32). Both read cos/sin of pair i from columns i, 32 + i.
 
     Returns:
       (k [T, H, 192] = [k_nope | r], q, kv_cache) where r = rope(k_pe) or k_pe and the cache row of
@@ -102,29 +106,31 @@ def fused_mla_key_concat_kv_cache_insert(q, k_nope, k_pe, kv_c_normed, kv_cache,
       k, q, kv_cache = jax.jit(fused_mla_key_concat_kv_cache_insert, donate_argnums=(4,))(
           q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping)
     """
-    return _prefill(EPILOGUES["prefill_bf16"], q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache)
+    return _prefill(EPILOGUES["prefill_bf16"], q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, rope_style)
 
 
-def fused_mla_key_concat_ds_mla_insert(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, *, positions=None, cos_sin_cache=None):
+def fused_mla_key_concat_ds_mla_insert(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, *, positions=None, cos_sin_cache=None, rope_style="gptj"):
     """Prefill epilogue, fp8_ds_mla cache: as :func:`fused_mla_key_concat_kv_cache_insert`, but
-    ``kv_cache`` is uint8 [num_blocks, block_size, 656] and each valid slot's row gets the 656-byte
+    ``kv_cache`` is uint8 [num_blocks, block_size, 656] (or padded rows: W > 656, a multiple of 16
+    bytes) and each valid slot's row gets the 656-byte
     entry: 512 E4M3 codes of kv_c_normed in 4 tiles of 128, 4 float32 power-of-two tile scales,
     64 bfloat16 values of r. ``k`` and ``q`` stay in the activation dtype.
     Read entries back with :func:`jax_kimi_mla.ds_mla_dequantize`.
     """
-    return _prefill(EPILOGUES["prefill_fp8_ds_mla"], q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache)
+    return _prefill(EPILOGUES["prefill_fp8_ds_mla"], q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, rope_style)
 
 
 def fused_mla_qkv_quant_kv_cache_fp8_insert(
-    q, k_nope, k_pe, kv_c_normed, v, kv_cache, slot_mapping, q_scale_inv, k_scale_inv, v_scale_inv, cache_scale_inv, *, positions=None, cos_sin_cache=None
+    q, k_nope, k_pe, kv_c_normed, v, kv_cache, slot_mapping, q_scale_inv, k_scale_inv, v_scale_inv, cache_scale_inv, *, positions=None, cos_sin_cache=None,
+    rope_style="gptj",
 ):
     """Prefill epilogue, fp8 attention inputs and plain fp8 cache.
 
     Args:
       q: [T, H, 192], k_nope: [T, H, 128], v: [T, H, 128], k_pe: [T, 64] or [T, 1, 64],
         kv_c_normed: [T, 512], all bfloat16 or float16.
-      kv_cache: [num_blocks, block_size, 576] float8_e4m3fn.
-      slot_mapping: [T] int32/int64. positions / cos_sin_cache: optional RoPE, as above.
+      kv_cache: [num_blocks, block_size, 576] float8_e4m3fn (or padded rows, as above).
+      slot_mapping: [T] int32/int64. positions / cos_sin_cache / rope_style: optional RoPE, as above.
       q_scale_inv, k_scale_inv, v_scale_inv, cache_scale_inv: float32 arrays of shape () or (1,),
         the reciprocals of the per-tensor scales (traced values are fine).
 
@@ -134,13 +140,13 @@ def fused_mla_qkv_quant_kv_cache_fp8_insert(
       straight from float32); NaN stays NaN. ``q`` itself is not modified.
     """
     checked, a = _checks.prefill(
-        q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, cache_format="fp8", v=v
+        q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, cache_format="fp8", v=v, style=rope_style
     )
     scales = _checks.fp8_prefill_scales(q_scale_inv, k_scale_inv, v_scale_inv, cache_scale_inv)
     T, H = checked.tokens, checked.heads
     fp8 = jnp.float8_e4m3fn
     epilogue = EPILOGUES["prefill_fp8"]
-    operands, attrs = _operands(a, epilogue, scales)
+    operands, attrs = _operands(a, epilogue, checked, scales)
     return _call(
         epilogue,
         operands,
@@ -155,7 +161,8 @@ def fused_mla_qkv_quant_kv_cache_fp8_insert(
 
 
 def fused_mla_decode_q_concat_kv_cache_insert(
-    ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, *, ds_mla=False, q_scale_inv=None, cache_scale_inv=None, positions=None, cos_sin_cache=None
+    ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, *, ds_mla=False, q_scale_inv=None, cache_scale_inv=None, positions=None, cos_sin_cache=None,
+    rope_style="gptj",
 ):
     """Decode epilogue: the absorbed MQA query and the cache insert, for all three cache formats.
 
@@ -166,18 +173,20 @@ def fused_mla_decode_q_concat_kv_cache_insert(
         - [num_blocks, block_size, 576] in the activation dtype (default);
         - [num_blocks, block_size, 576] float8_e4m3fn, with q_scale_inv and cache_scale_inv
           (float32, shape () or (1,)): mqa_q is float8_e4m3fn too;
-        - [num_blocks, block_size, 656] uint8 with ``ds_mla=True`` (fp8_ds_mla entries).
-      slot_mapping: [B] int32/int64. positions / cos_sin_cache: optional RoPE.
+        - [num_blocks, block_size, 656] uint8 with ``ds_mla=True`` (fp8_ds_mla entries);
+        any of them with rows padded to a multiple of 16 bytes (the padding is never written).
+      slot_mapping: [B] int32/int64. positions / cos_sin_cache / rope_style: optional RoPE, as in
+        :func:`fused_mla_key_concat_kv_cache_insert`.
 
     Returns:
       (mqa_q [B, H, 576] = [ql_nope | rope(q_pe)], kv_cache with row(slot) = [kv_c_normed | rope(k_pe)]).
     """
     checked, fmt, a = _checks.decode(
-        ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, ds_mla, q_scale_inv, cache_scale_inv, positions, cos_sin_cache
+        ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, ds_mla, q_scale_inv, cache_scale_inv, positions, cos_sin_cache, rope_style
     )
     epilogue = EPILOGUES[f"decode_{fmt}"]
     q_dtype = jnp.float8_e4m3fn if fmt == "fp8" else checked.act
-    operands, attrs = _operands(a, epilogue, [a[name] for name in epilogue.scales])
+    operands, attrs = _operands(a, epilogue, checked, [a[name] for name in epilogue.scales])
     return _call(
         epilogue,
         operands,
@@ -243,7 +252,8 @@ def mla_decode_attention(
         ``q_scale_inv``) with the plain fp8 cache only.
       kv_cache: [num_blocks, block_size, 576] in mqa_q's dtype; [num_blocks, block_size, 576]
         float8_e4m3fn with ``cache_scale_inv``; or uint8 [num_blocks, block_size, 656] with
-        ``ds_mla=True``, as the epilogues write them.
+        ``ds_mla=True``, as the epilogues write them (rows may be padded: wider, a multiple of
+        16 bytes, the entry in their first columns).
       block_tables: [B, max_blocks] int32/int64: token t of sequence b is row
         ``block_tables[b, t // block_size] * block_size + t % block_size``.
       context_lens: [B] int32/int64, the tokens of each sequence, counting the new one(s);
@@ -304,7 +314,8 @@ def gather_mla_cache(kv_cache, block_tables, context_lens, *, num_tokens=None, d
 
     Args:
       kv_cache: [num_blocks, block_size, 576] bfloat16/float16; float8_e4m3fn with
-        ``cache_scale_inv``; or uint8 [num_blocks, block_size, 656] with ``ds_mla=True``.
+        ``cache_scale_inv``; or uint8 [num_blocks, block_size, 656] with ``ds_mla=True`` (rows
+        may be padded, as for :func:`mla_decode_attention`).
       block_tables: [B, max_blocks] int32/int64; context_lens: [B] int32/int64, clamped to
         [0, max_blocks * block_size].
       num_tokens: the output rows (static); None: B * max_blocks * block_size.

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _checks
+from .formats import CACHE_FORMATS
 from .numerics import ds_mla_dequantize, ds_mla_encode, quantize_e4m3, rope
 
 P = _checks.P
@@ -19,11 +20,12 @@ P = _checks.P
 def _rotated_k_pe(k_pe, checked, positions, cos_sin_cache):
     """k_pe as float32 [T, 64], RoPE'd when RoPE is on."""
     x = k_pe.reshape(checked.tokens, _checks.R).astype(jnp.float32)
-    return rope(x, positions, cos_sin_cache) if checked.rope else x
+    return rope(x, positions, cos_sin_cache, checked.rope_style) if checked.rope else x
 
 
 def _insert(kv_cache, rows, slot_mapping):
-    """Writes rows [T, width] into the rows of the flattened cache that valid slots address."""
+    """Writes entries [T, entry] into the first columns of the rows of the flattened cache that
+    valid slots address (a padded row's other columns keep their bits)."""
     if rows.shape[0] == 0:
         return kv_cache
     num_blocks, block_size, width = kv_cache.shape
@@ -39,7 +41,7 @@ def _insert(kv_cache, rows, slot_mapping):
     # payloads in rows it does not even address.
     as_bits = {1: jnp.uint8, 2: jnp.uint16}[kv_cache.dtype.itemsize]
     flat = jax.lax.bitcast_convert_type(kv_cache.reshape(num_rows, width), as_bits)
-    flat = flat.at[target].set(jax.lax.bitcast_convert_type(rows, as_bits), mode="drop")
+    flat = flat.at[target, : rows.shape[-1]].set(jax.lax.bitcast_convert_type(rows, as_bits), mode="drop")
     return jax.lax.bitcast_convert_type(flat, kv_cache.dtype).reshape(kv_cache.shape)
 
 
@@ -59,9 +61,9 @@ def _entry(fmt, kv_c_normed, r32, k_pe, rope, cache_scale_inv=None):
     return jnp.concatenate([kv_c_normed, _rounded(r32, k_pe, rope, kv_c_normed.dtype)], -1)
 
 
-def _prefill(fmt, q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache):
+def _prefill(fmt, q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, rope_style):
     checked, a = _checks.prefill(
-        q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, cache_format=fmt
+        q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, cache_format=fmt, style=rope_style
     )
     a = _checks.sliced(a)
     T, H = checked.tokens, checked.heads
@@ -71,28 +73,29 @@ def _prefill(fmt, q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, position
     k = jnp.concatenate([a["k_nope"], jnp.broadcast_to(r[:, None, :], (T, H, _checks.R))], -1)
     q = a["q"]
     if checked.rope:
-        q_pe = rope(q[..., P:].astype(jnp.float32), a["positions"], a["cos_sin_cache"])
+        q_pe = rope(q[..., P:].astype(jnp.float32), a["positions"], a["cos_sin_cache"], checked.rope_style)
         q = jnp.concatenate([q[..., :P], q_pe.astype(checked.act)], -1)
     cache = _insert(a["kv_cache"], _entry(fmt, a["kv_c_normed"], r32, k_pe, checked.rope), a["slot_mapping"])
     return k, q, cache
 
 
-def fused_mla_key_concat_kv_cache_insert(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, *, positions=None, cos_sin_cache=None):
+def fused_mla_key_concat_kv_cache_insert(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, *, positions=None, cos_sin_cache=None, rope_style="gptj"):
     """Reference of :func:`jax_kimi_mla.fused_mla_key_concat_kv_cache_insert`."""
-    return _prefill("bf16", q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache)
+    return _prefill("bf16", q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, rope_style)
 
 
-def fused_mla_key_concat_ds_mla_insert(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, *, positions=None, cos_sin_cache=None):
+def fused_mla_key_concat_ds_mla_insert(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, *, positions=None, cos_sin_cache=None, rope_style="gptj"):
     """Reference of :func:`jax_kimi_mla.fused_mla_key_concat_ds_mla_insert`."""
-    return _prefill("fp8_ds_mla", q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache)
+    return _prefill("fp8_ds_mla", q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, rope_style)
 
 
 def fused_mla_qkv_quant_kv_cache_fp8_insert(
-    q, k_nope, k_pe, kv_c_normed, v, kv_cache, slot_mapping, q_scale_inv, k_scale_inv, v_scale_inv, cache_scale_inv, *, positions=None, cos_sin_cache=None
+    q, k_nope, k_pe, kv_c_normed, v, kv_cache, slot_mapping, q_scale_inv, k_scale_inv, v_scale_inv, cache_scale_inv, *, positions=None, cos_sin_cache=None,
+    rope_style="gptj",
 ):
     """Reference of :func:`jax_kimi_mla.fused_mla_qkv_quant_kv_cache_fp8_insert`."""
     checked, a = _checks.prefill(
-        q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, cache_format="fp8", v=v
+        q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, cache_format="fp8", v=v, style=rope_style
     )
     a = _checks.sliced(a)
     scales = _checks.fp8_prefill_scales(q_scale_inv, k_scale_inv, v_scale_inv, cache_scale_inv)
@@ -100,7 +103,7 @@ def fused_mla_qkv_quant_kv_cache_fp8_insert(
     r32 = _rotated_k_pe(a["k_pe"], checked, a["positions"], a["cos_sin_cache"])
     q32 = a["q"].astype(jnp.float32)
     if checked.rope:
-        q32 = jnp.concatenate([q32[..., :P], rope(q32[..., P:], a["positions"], a["cos_sin_cache"])], -1)
+        q32 = jnp.concatenate([q32[..., :P], rope(q32[..., P:], a["positions"], a["cos_sin_cache"], checked.rope_style)], -1)
     k32 = jnp.concatenate([a["k_nope"].astype(jnp.float32), jnp.broadcast_to(r32[:, None, :], (T, H, _checks.R))], -1)
     q_fp8 = quantize_e4m3(q32, scales[0])
     k_fp8 = quantize_e4m3(k32, scales[1])
@@ -110,17 +113,18 @@ def fused_mla_qkv_quant_kv_cache_fp8_insert(
 
 
 def fused_mla_decode_q_concat_kv_cache_insert(
-    ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, *, ds_mla=False, q_scale_inv=None, cache_scale_inv=None, positions=None, cos_sin_cache=None
+    ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, *, ds_mla=False, q_scale_inv=None, cache_scale_inv=None, positions=None, cos_sin_cache=None,
+    rope_style="gptj",
 ):
     """Reference of :func:`jax_kimi_mla.fused_mla_decode_q_concat_kv_cache_insert`."""
     checked, fmt, a = _checks.decode(
-        ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, ds_mla, q_scale_inv, cache_scale_inv, positions, cos_sin_cache
+        ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, ds_mla, q_scale_inv, cache_scale_inv, positions, cos_sin_cache, rope_style
     )
     a = _checks.sliced(a)
     r32 = _rotated_k_pe(a["k_pe"], checked, a["positions"], a["cos_sin_cache"])
     q_pe32 = a["q_pe"].astype(jnp.float32)
     if checked.rope:
-        q_pe32 = rope(q_pe32, a["positions"], a["cos_sin_cache"])
+        q_pe32 = rope(q_pe32, a["positions"], a["cos_sin_cache"], checked.rope_style)
     if fmt == "fp8":
         mqa_q = quantize_e4m3(jnp.concatenate([a["ql_nope"].astype(jnp.float32), q_pe32], -1), a["q_scale_inv"])
     else:
@@ -131,8 +135,8 @@ def fused_mla_decode_q_concat_kv_cache_insert(
 
 
 def _dequantized_entries(c, rows):
-    """The cache entries at flat ``rows`` [...] as float32 [..., 576]."""
-    entries = c.kv_cache.reshape(-1, c.kv_cache.shape[-1])[rows]
+    """The cache entries at flat ``rows`` [...] as float32 [..., 576] (a padded row's first columns)."""
+    entries = c.kv_cache.reshape(-1, c.kv_cache.shape[-1])[rows][..., : CACHE_FORMATS[c.cache_format].width]
     if c.cache_format == "fp8_ds_mla":
         latent, k_pe = ds_mla_dequantize(entries)
         return jnp.concatenate([latent, k_pe.astype(jnp.float32)], -1)

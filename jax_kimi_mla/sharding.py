@@ -101,7 +101,8 @@ def shard(op, mesh, *, head_axis=None, token_axis=None):
 
     Returns:
       A function with the signature and outputs of ``op``, taking and returning global arrays.
-      Arguments that are None or a Python bool (``ds_mla``) stay static; ``columns(...)``
+      Arguments that are None, a Python bool (``ds_mla``) or a string (``rope_style``) stay
+      static; ``columns(...)``
       inputs are sharded like the tensor they wrap.
     """
     signature = inspect.signature(op)
@@ -112,7 +113,7 @@ def shard(op, mesh, *, head_axis=None, token_axis=None):
     @functools.wraps(op)
     def sharded(*args, **kwargs):
         arguments = signature.bind(*args, **kwargs).arguments
-        names = [n for n, x in arguments.items() if not isinstance(x, (bool, type(None)))]
+        names = [n for n, x in arguments.items() if not isinstance(x, (bool, str, type(None)))]
         static = {n: x for n, x in arguments.items() if n not in names}
         starts = {n: arguments[n].start for n in names if isinstance(arguments[n], Columns)}
         arrays = [arguments[n].array if n in starts else arguments[n] for n in names]

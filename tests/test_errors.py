@@ -80,6 +80,7 @@ def common_cases(fmt):
         ("cos_sin_cache-only", lambda a: dropped(a, "positions"), ValueError, "positions"),
         ("kv_cache-rank2", lambda a: shaped(a, "kv_cache", a["kv_cache"].shape[1:]), ValueError, "kv_cache"),
         ("kv_cache-width", lambda a: grown(a, "kv_cache", 2, -1), ValueError, "kv_cache"),
+        ("kv_cache-misaligned-padding", lambda a: grown(a, "kv_cache", 2, 4), ValueError, "kv_cache"),
         (f"{first}-missing", lambda a: with_(a, **{first: None}), TypeError, first),
     ]
     for name in per_head:

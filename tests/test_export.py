@@ -115,7 +115,7 @@ def test_exported_step_round_trips_and_matches_the_direct_call(fmt, platforms):
 
 def test_export_without_disabling_the_custom_call_check_is_refused():
     fn = jax.jit(lambda p, d, cs: step("kv", p, d, cs))
-    with pytest.raises(ValueError, match="jax_kimi_mla_prefill_kv_cache_v1"):
+    with pytest.raises(ValueError, match=_ffi.target_name("prefill_kv_cache")):
         jax.export.export(fn, platforms=("cpu",))(*make_inputs("kv", seed=2))
 
 
@@ -124,3 +124,40 @@ def test_abi_doc_names_every_target_with_its_version():
     for op in _ffi.OPS:
         assert f"`{_ffi.target_name(op)}`" in doc
     assert f"ABI_VERSION = {jkm.ABI_VERSION}" in doc
+
+
+def test_exported_neox_step_records_its_rope_style():
+    """rope_style is an attribute of each epilogue call in the artifact (a v1 handler would not
+    know it: hence the _v2 names); the round trip gives the direct call's bits."""
+    prefill, decode, cos_sin = make_inputs("kv", seed=3)
+    args = (prefill["q"], prefill["k_nope"], prefill["k_pe"], prefill["kv_c_normed"], prefill["kv_cache"], prefill["slot_mapping"])
+
+    def neox(*args):
+        return jkm.fused_mla_key_concat_kv_cache_insert(*args, positions=prefill["positions"], cos_sin_cache=cos_sin, rope_style="neox")
+
+    disabled = [jax.export.DisabledSafetyCheck.custom_call(_ffi.target_name(op)) for op in _ffi.OPS]
+    exported = jax.export.export(jax.jit(neox), platforms=("cpu",), disabled_checks=disabled)(*args)
+    assert re.search(r'rope_style = "neox"', exported.mlir_module()), "rope_style is not in the artifact"
+    with jax.default_device(jax.devices("cpu")[0]):
+        got = jax.export.deserialize(exported.serialize()).call(*args)
+        want = jax.jit(neox)(*args)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(bits(g), bits(w))
+
+
+def test_version_1_names_still_run_as_gptj():
+    """A v1 call (no rope_style attribute) through its old name gives what the v2 GPT-J call gives."""
+    assert 1 in _ffi.COMPATIBLE_ABI_VERSIONS and jkm.ABI_VERSION == 2
+    rng = np.random.default_rng(4)
+    B_, H_ = 3, 2
+    bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)  # noqa: E731
+    operands = [bf16(B_, H_, 512), bf16(B_, H_, 64), bf16(B_, 512), bf16(B_, 64), bf16(2, 4, 576),
+                jnp.asarray([1, -1, 6], jnp.int32), jnp.asarray([0, 5, 9], jnp.int32), jkm.make_cos_sin_cache(16)]
+    results = [jax.ShapeDtypeStruct((B_, H_, 576), jnp.bfloat16), jax.ShapeDtypeStruct((2, 4, 576), jnp.bfloat16)]
+    with jax.default_device(jax.devices("cpu")[0]):
+        v1 = jax.ffi.ffi_call(_ffi.target_name("decode_kv_cache", 1), results)(*operands)
+        v2 = jax.ffi.ffi_call(_ffi.target_name("decode_kv_cache"), results)(*operands, rope_style="gptj")
+        op = jkm.fused_mla_decode_q_concat_kv_cache_insert(*operands[:6], positions=operands[6], cos_sin_cache=operands[7])
+    for a, b, c in zip(v1, v2, op):
+        np.testing.assert_array_equal(bits(a), bits(b))
+        np.testing.assert_array_equal(bits(a), bits(c))

@@ -76,3 +76,33 @@ def test_malformed_epilogue_call_fails_with_the_handlers_message():
                 np.zeros((4, 2, 576), BF16), np.zeros(2, np.int32), np.zeros((0,), np.int32), np.zeros((0, 64), np.float32)]
     with pytest.raises(jax.errors.JaxRuntimeError, match="jax_kimi_mla: kv_c_normed must be"):
         raw_call("decode_kv_cache", operands, [((2, 3, 576), BF16), ((4, 2, 576), BF16)])
+
+
+def _decode_kv_cache(cache_shape=(4, 2, 576), rope=False, **attrs):
+    """A raw decode_kv_cache call (B = 2, H = 3), with RoPE operands when ``rope``."""
+    rng = np.random.default_rng(0)
+    act = lambda *shape: rng.standard_normal(shape).astype(np.float32).astype(BF16)  # noqa: E731
+    positions, table = (np.array([1, 2], np.int32), np.ones((4, 64), np.float32)) if rope else (np.zeros((0,), np.int32), np.zeros((0, 64), np.float32))
+    operands = [act(2, 3, 512), act(2, 3, 64), act(2, 512), act(2, 64), act(*cache_shape), np.array([0, 5], np.int32), positions, table]
+    return raw_call("decode_kv_cache", operands, [((2, 3, 576), BF16), (cache_shape, BF16)], **attrs)
+
+
+@pytest.mark.parametrize("style", ["NeoX", ""])
+def test_epilogue_handler_rejects_an_unknown_rope_style(style):
+    with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape('jax_kimi_mla: rope_style must be the string "gptj" or "neox"')):
+        _decode_kv_cache(rope=True, rope_style=style)
+
+
+def test_epilogue_handler_rejects_misaligned_cache_rows():
+    with pytest.raises(jax.errors.JaxRuntimeError, match="jax_kimi_mla: kv_cache rows must hold an entry and be a multiple of 16 bytes"):
+        _decode_kv_cache(cache_shape=(4, 2, 580))
+
+
+def test_epilogue_handler_writes_padded_rows_and_reads_the_style():
+    mqa_q, cache = _decode_kv_cache(cache_shape=(4, 2, 640), rope=True, rope_style="neox")
+    assert cache.shape == (4, 2, 640) and np.isfinite(np.asarray(mqa_q, np.float32)).all()
+
+
+def test_a_raw_attention_call_reads_padded_rows_on_the_cpu():
+    out, lse, _ = attention(cache=((4, 2, 640), BF16))
+    assert out.shape == (2, 3, 512) and np.isfinite(np.asarray(lse)).all()

@@ -28,8 +28,9 @@ void emit(const RowSpec& r, int64_t out_row, int64_t h, int c, const Raw16& chun
 }
 
 // One output row. Runs of chunks that are plain copies (activation output, not rotated) are one
-// memcpy each: the CPU's fast path; every other chunk goes through make_chunk. out_row: see
-// chunk_dst.
+// memcpy each: the CPU's fast path; every other chunk goes through make_chunk, all of them before
+// any is stored (prefill rotates q's rope part in place, and a NeoX chunk reads another chunk of
+// the row). out_row: see chunk_dst.
 void emit_row(const Epilogue& e, const RowSpec& r, int64_t t, int64_t h, int64_t out_row) {
   int c = 0;
   if (r.scale_inv == nullptr) {
@@ -43,7 +44,9 @@ void emit_row(const Epilogue& e, const RowSpec& r, int64_t t, int64_t h, int64_t
                   size_t(r.pe_chunks) * sizeof(Raw16));
     c = copied;
   }
-  for (; c < r.chunks(); ++c) emit(r, out_row, h, c, make_chunk(e, r, t, h, c));
+  Raw16 chunks[kCacheChunks];  // the widest row: the 576-element cache entry or mqa_q
+  for (int i = c; i < r.chunks(); ++i) chunks[i] = make_chunk(e, r, t, h, i);
+  for (; c < r.chunks(); ++c) emit(r, out_row, h, c, chunks[c]);
 }
 
 void run(const Plan& plan) {

@@ -16,6 +16,8 @@ inline constexpr int kChunk = 8;                     // elements per chunk: 16 b
 inline constexpr int kRopeChunks = kRope / kChunk;   // 8
 inline constexpr int kCacheChunks = kEntry / kChunk; // 72: the lanes of one cache entry
 inline constexpr int kTileChunks = kDsMlaTile / kChunk;  // 16 chunks share one ds_mla scale
+// NeoX pairs element k of the rope part with k ^ 32: pe chunk j's partners are in chunk j ^ 4.
+inline constexpr int kNeoxPartnerChunk = (kRope / 2) / kChunk;
 
 // One output row per (token, head) = [nope | pe], where the pe part is RoPE'd when RoPE is on.
 // Strides are in elements; a zero head stride broadcasts a per-token source over heads (k_pe).
@@ -36,7 +38,9 @@ struct RowSpec {
 struct Epilogue {
   ActType act = ActType::kBF16;
   int64_t tokens = 0, heads = 0;
-  // The cache entry of token t goes to row slot_mapping[t] (out_t: the entry's stride).
+  // The cache entry of token t goes to row slot_mapping[t]. cache.out_t is the row stride, in
+  // elements of the cache dtype: the cache's last dimension, which may be wider than the entry
+  // (padded rows; the padding is never written).
   RowSpec cache;
   CacheFormat cache_format = CacheFormat::kBf16;
   int64_t cache_rows = 0;  // num_blocks * block_size
@@ -48,6 +52,7 @@ struct Epilogue {
   bool positions_int64 = false;
   const float* cos_sin = nullptr;  // [max_position, 64]; null when RoPE is off
   int64_t max_position = 0;
+  RopeStyle rope_style = RopeStyle::kGptj;
 
   // The cos/sin row of token t, or null without RoPE.
   JKM_HD const float* rope_row(int64_t t) const {
@@ -114,13 +119,29 @@ JKM_HD void widen8(ActType act, const Raw16& raw, float v[kChunk]) {
     v[i] = act == ActType::kBF16 ? bf16_to_f32(half_word(raw, i)) : f16_to_f32(half_word(raw, i));
 }
 
-// Rotates the 4 pairs of pe chunk j (pairs 4j..4j+3) by the cos/sin row of the token.
-JKM_HD void rope8(const float* rope_row, int j, float v[kChunk]) {
-  for (int i = 0; i < kChunk / 2; ++i) {
-    int pair = j * (kChunk / 2) + i;
-    rope_pair(v[2 * i], v[2 * i + 1], rope_row[pair], rope_row[kRope / 2 + pair], v[2 * i],
-              v[2 * i + 1]);
+// Rotates pe chunk j (elements 8j..8j+7 of the rope part) by the cos/sin row of the token. GPT-J
+// pairs lie inside the chunk (pairs 4j..4j+3); a NeoX pair's other element is in pe chunk
+// j ^ kNeoxPartnerChunk, whose values are `partner` (unused for GPT-J).
+JKM_HD void rope8(RopeStyle style, const float* rope_row, int j, float v[kChunk],
+                  const float partner[kChunk]) {
+  if (style == RopeStyle::kGptj) {
+    for (int i = 0; i < kChunk / 2; ++i) {
+      int pair = j * (kChunk / 2) + i;
+      rope_pair(v[2 * i], v[2 * i + 1], rope_row[pair], rope_row[kRope / 2 + pair], v[2 * i],
+                v[2 * i + 1]);
+    }
+    return;
   }
+  for (int i = 0; i < kChunk; ++i)
+    v[i] = rope_element(style, j * kChunk + i, v[i], partner[i], rope_row);
+}
+
+// rope8 on raw chunks: the partner chunk is widened only for NeoX.
+JKM_HD void rope8_raw(ActType act, RopeStyle style, const float* rope_row, int j, float v[kChunk],
+                      const Raw16& partner) {
+  float p[kChunk];
+  if (style == RopeStyle::kNeox) widen8(act, partner, p);
+  rope8(style, rope_row, j, v, p);
 }
 
 JKM_HD Raw16 narrow8(bool to_bf16, const float v[kChunk]) {
@@ -163,17 +184,25 @@ JKM_HD const float* chunk_rotation(const Epilogue& e, const RowSpec& r, int64_t 
   return c < r.nope_chunks ? nullptr : e.rope_row(t);
 }
 
+// The chunk that chunk c's RoPE partners are in: pe chunk j ^ kNeoxPartnerChunk with NeoX RoPE,
+// else c itself.
+JKM_HD int partner_chunk(const Epilogue& e, const RowSpec& r, int c) {
+  if (c < r.nope_chunks || e.cos_sin == nullptr || e.rope_style != RopeStyle::kNeox) return c;
+  return r.nope_chunks + ((c - r.nope_chunks) ^ kNeoxPartnerChunk);
+}
+
 // A loaded chunk made into its output: rotated as pe chunk j by `rotate_by` (a cos/sin row) when
-// that is set, then narrowed back to the activation dtype (16 bytes), or quantized to E4M3 as
-// Q(v * mult) when `quantize` is set (the first 8 bytes). Chunks that nothing changes are the input
-// bits themselves. Loading and finishing are separate so that a kernel can issue all its loads
-// before it computes or stores anything.
-JKM_HD Raw16 finish_chunk(ActType act, const Raw16& raw, const float* rotate_by, int j,
-                          bool quantize, float mult) {
+// that is set (in `style`; `partner`: the loaded partner chunk for NeoX), then narrowed back to
+// the activation dtype (16 bytes), or quantized to E4M3 as Q(v * mult) when `quantize` is set
+// (the first 8 bytes). Chunks that nothing changes are the input bits themselves. Loading and
+// finishing are separate so that a kernel can issue all its loads before it computes or stores
+// anything.
+JKM_HD Raw16 finish_chunk(ActType act, const Raw16& raw, const float* rotate_by, RopeStyle style,
+                          const Raw16& partner, int j, bool quantize, float mult) {
   if (rotate_by == nullptr && !quantize) return raw;
   float v[kChunk];
   widen8(act, raw, v);
-  if (rotate_by != nullptr) rope8(rotate_by, j, v);
+  if (rotate_by != nullptr) rope8_raw(act, style, rotate_by, j, v, partner);
   if (!quantize) return narrow8(act == ActType::kBF16, v);
   Raw16 codes{};
   e4m3x8(v, mult, codes.w);
@@ -184,14 +213,18 @@ JKM_HD Raw16 finish_chunk(ActType act, const Raw16& raw, const float* rotate_by,
 JKM_HD void chunk_values(const Epilogue& e, const RowSpec& r, int64_t t, int64_t h, int c,
                          float v[kChunk]) {
   widen8(e.act, load16(chunk_src(r, t, h, c)), v);
-  if (const float* rotate_by = chunk_rotation(e, r, t, c)) rope8(rotate_by, c - r.nope_chunks, v);
+  if (const float* rotate_by = chunk_rotation(e, r, t, c))
+    rope8_raw(e.act, e.rope_style, rotate_by, c - r.nope_chunks, v,
+              load16(chunk_src(r, t, h, partner_chunk(e, r, c))));
 }
 
 // Chunk c of a row, loaded and finished.
 JKM_HD Raw16 make_chunk(const Epilogue& e, const RowSpec& r, int64_t t, int64_t h, int c) {
-  return finish_chunk(e.act, load16(chunk_src(r, t, h, c)), chunk_rotation(e, r, t, c),
-                      c - r.nope_chunks, r.scale_inv != nullptr,
-                      r.scale_inv != nullptr ? *r.scale_inv : 0.0f);
+  const int p = partner_chunk(e, r, c);
+  const Raw16 raw = load16(chunk_src(r, t, h, c));
+  return finish_chunk(e.act, raw, chunk_rotation(e, r, t, c), e.rope_style,
+                      p == c ? raw : load16(chunk_src(r, t, h, p)), c - r.nope_chunks,
+                      r.scale_inv != nullptr, r.scale_inv != nullptr ? *r.scale_inv : 0.0f);
 }
 
 // Where chunk c of head h's output row goes (activation dtype, or E4M3 bytes). out_row is the
@@ -212,7 +245,7 @@ JKM_HD void store_chunk(void* dst, const Raw16& chunk, bool e4m3) {
 // ---- the fp8_ds_mla entry ----
 
 JKM_HD uint8_t* ds_mla_entry(const Epilogue& e, int64_t row) {
-  return static_cast<uint8_t*>(e.cache.out) + row * kDsMlaEntryBytes;
+  return static_cast<uint8_t*>(e.cache.out) + row * e.cache.out_t;  // out_t: the row's bytes
 }
 
 // Tile j's latent chunk (0..15 within the tile) quantized with the tile's scale s.
@@ -228,17 +261,20 @@ JKM_HD void store_ds_mla_scale(uint8_t* entry, int tile, float s) {
 
 // pe chunk j (0..7) of the entry from its loaded input: bfloat16 from the float32 value, or the
 // bf16 bits themselves when nothing changes them.
-JKM_HD Raw16 finish_ds_mla_pe(ActType act, const Raw16& raw, const float* rotate_by, int j) {
+JKM_HD Raw16 finish_ds_mla_pe(ActType act, const Raw16& raw, const float* rotate_by, RopeStyle style,
+                              const Raw16& partner, int j) {
   if (rotate_by == nullptr && act == ActType::kBF16) return raw;
   float v[kChunk];
   widen8(act, raw, v);
-  if (rotate_by != nullptr) rope8(rotate_by, j, v);
+  if (rotate_by != nullptr) rope8_raw(act, style, rotate_by, j, v, partner);
   return narrow8(true, v);
 }
 
 JKM_HD Raw16 make_ds_mla_pe(const Epilogue& e, int64_t t, int j) {
-  const int c = kLatent / kChunk + j;
-  return finish_ds_mla_pe(e.act, load16(chunk_src(e.cache, t, 0, c)), e.rope_row(t), j);
+  const int c = kLatent / kChunk + j, p = partner_chunk(e, e.cache, c);
+  const Raw16 raw = load16(chunk_src(e.cache, t, 0, c));
+  return finish_ds_mla_pe(e.act, raw, e.rope_row(t), e.rope_style,
+                          p == c ? raw : load16(chunk_src(e.cache, t, 0, p)), j);
 }
 
 JKM_HD uint8_t* ds_mla_pe_dst(uint8_t* entry, int j) { return entry + kDsMlaPeOffset + j * kChunk * 2; }

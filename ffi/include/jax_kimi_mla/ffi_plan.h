@@ -5,6 +5,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "jax_kimi_mla/epilogue.h"
@@ -148,6 +149,9 @@ inline RowSpec row_spec(const RowShape& shape, Strided<const uint16_t> nope, Str
 // too for the bf16 and ds_mla caches (q comes back unchanged and is never read).
 // Optional int64 attributes k_nope_col, v_col, k_pe_col, q_pe_col: that input is a wider tensor
 // whose columns [col, col + width) are read (e.g. k_nope and v straight from kv_b_proj's output).
+// Optional string attribute rope_style: "gptj" (the default when absent) or "neox".
+// kv_cache [N, bs, W]: W may exceed the entry (576 elements, 656 bytes for ds_mla) when a row is a
+// multiple of 16 bytes; entries go to the first columns of their row, the rest is never written.
 inline ffi::Error make_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets rets,
                             ffi::Dictionary attrs, Plan& plan) {
   const bool prefill = op == Op::prefill_kv_cache || op == Op::prefill_ds_mla || op == Op::prefill_fp8;
@@ -209,9 +213,13 @@ inline ffi::Error make_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets r
                                    : shape.cache == CacheFormat::kFp8 ? ffi::DataType::F8E4M3FN
                                                                       : act;
   const int64_t entry = cache_type == ffi::DataType::U8 ? kDsMlaEntryBytes : kEntry;
-  ck.expect(cache.element_type() == cache_type && cache.dimensions().size() == 3 &&
-                cache.dimensions()[2] == entry,
-            "kv_cache has the wrong dtype or entry width for this op");
+  const int64_t item = cache_type == act ? 2 : 1;
+  ck.expect(cache.element_type() == cache_type && cache.dimensions().size() == 3,
+            "kv_cache has the wrong dtype or rank for this op");
+  if (!ck.ok()) return ck.error();
+  const int64_t row_width = cache.dimensions()[2];  // elements of the cache dtype
+  ck.expect(row_width >= entry && row_width * item % 16 == 0,
+            "kv_cache rows must hold an entry and be a multiple of 16 bytes");
   ck.expect(cache_out.element_type() == cache_type && cache_out.size_bytes() == cache.size_bytes(),
             "the output cache must match the input cache");
   if (!ck.ok()) return ck.error();
@@ -228,6 +236,12 @@ inline ffi::Error make_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets r
     e.cos_sin = static_cast<const float*>(cos_sin.untyped_data());
     e.max_position = cos_sin.dimensions()[0];
     ck.expect(e.max_position > 0, "cos_sin_cache must have at least one row");
+  }
+  if (attrs.contains("rope_style")) {
+    auto style = attrs.get<std::string_view>("rope_style");
+    ck.expect(style.has_value() && (*style == "gptj" || *style == "neox"),
+              "rope_style must be the string \"gptj\" or \"neox\"");
+    if (style.has_value() && *style == "neox") e.rope_style = RopeStyle::kNeox;
   }
   e.cache_format = shape.cache;
   e.cache_rows = cache.dimensions()[0] * cache.dimensions()[1];
@@ -263,7 +277,7 @@ inline ffi::Error make_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets r
   };
   const Source kp = source(k_pe, T, kRope, "k_pe_col", "k_pe must be [T, 64] or [T, 1, 64]");
   e.cache = row_spec({kLatent / kChunk, kRopeChunks}, {detail::act_ptr(kv_c), kLatent, 0}, kp.per_token(),
-                     {cache_out.untyped_data(), entry, 0}, nullptr);
+                     {cache_out.untyped_data(), row_width, 0}, nullptr);
   plan.copy_unless_aliased(cache, cache_out);
 
   const auto scale = [&](int i) { return static_cast<const float*>(scales[i].untyped_data()); };

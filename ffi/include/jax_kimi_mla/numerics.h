@@ -181,11 +181,39 @@ JKM_HD uint32_t e4m3x4(float a, float b, float c, float d) {
 #endif
 }
 
-// ---- RoPE, GPT-J style: pair (x0, x1) rotated by (c, s) ----
+// ---- RoPE: pair (x0, x1) rotated by (c, s) ----
 // One fixed sequence of float32 operations (an FMA over a rounded product) on both sides.
 JKM_HD void rope_pair(float x0, float x1, float c, float s, float& y0, float& y1) {
   y0 = fma_rn(x0, c, -mul_rn(x1, s));
   y1 = fma_rn(x0, s, mul_rn(x1, c));
+}
+
+// Which elements of the 64-wide rope part form pair i (0..31), turned by (c, s) = (row[i],
+// row[32 + i]) of the cos/sin table whatever the style: GPT-J (interleaved) pairs elements 2i and
+// 2i + 1, NeoX (rotate-half) pairs elements i and i + 32.
+enum class RopeStyle : uint8_t { kGptj, kNeox };
+
+JKM_HD int rope_pair_index(RopeStyle style, int k) {  // the pair of element k
+  return style == RopeStyle::kGptj ? k / 2 : k % (kRope / 2);
+}
+JKM_HD int rope_partner(RopeStyle style, int k) {  // the other element of k's pair
+  return style == RopeStyle::kGptj ? k ^ 1 : k ^ (kRope / 2);
+}
+JKM_HD bool rope_is_first(RopeStyle style, int k) {  // k is x0 of its pair (else x1)
+  return style == RopeStyle::kGptj ? k % 2 == 0 : k < kRope / 2;
+}
+
+// Element k of the rotated rope part from x[k], x[rope_partner(k)] and the token's cos/sin row:
+// y0 or y1 of rope_pair, the same operations as rotating the whole pair.
+JKM_HD float rope_element(RopeStyle style, int k, float xk, float x_partner, const float* row) {
+  const int i = rope_pair_index(style, k);
+  float y0, y1;
+  if (rope_is_first(style, k)) {
+    rope_pair(xk, x_partner, row[i], row[kRope / 2 + i], y0, y1);
+    return y0;
+  }
+  rope_pair(x_partner, xk, row[i], row[kRope / 2 + i], y0, y1);
+  return y1;
 }
 
 // ---- fp8_ds_mla tile scale: the smallest power of two >= max(amax / 448, 1e-4) ----

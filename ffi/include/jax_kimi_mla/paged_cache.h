@@ -14,7 +14,9 @@ namespace jax_kimi_mla {
 struct PagedCache {
   CacheFormat cache_format = CacheFormat::kBf16;
   ActType cache16 = ActType::kBF16;  // the element type of a bf16 (16-bit) cache
-  // Token row r of the cache starts at cache + r * row_bytes (rows may be wider than the entry).
+  // Token row r of the cache starts at cache + r * row_bytes: the row stride, the cache's last
+  // dimension in bytes. Rows may be wider than the entry (padded, e.g. to 640 elements); the
+  // entry is in their first entry_bytes() bytes and the padding is never read.
   const uint8_t* cache = nullptr;
   int64_t row_bytes = 0;
   int64_t num_blocks = 0, block_size = 0;
@@ -27,6 +29,14 @@ struct PagedCache {
   const float* cache_scale_inv = nullptr;
 
   JKM_HD int64_t max_len() const { return max_blocks * block_size; }
+
+  // The bytes of one entry: 656 (fp8_ds_mla), 576 (plain fp8), 1152 (bf16/fp16).
+  JKM_HD int64_t entry_bytes() const {
+    return cache_format == CacheFormat::kFp8DsMla ? kDsMlaEntryBytes
+           : cache_format == CacheFormat::kFp8    ? kEntry
+                                                  : 2 * kEntry;
+  }
+  JKM_HD bool padded_rows() const { return row_bytes != entry_bytes(); }
 
   // Tokens of sequence b, clamped to [0, max_blocks * block_size].
   JKM_HD int64_t context_len(int64_t b) const {
@@ -89,16 +99,16 @@ inline std::string make_paged_cache(ffi::AnyBuffer cache, ffi::AnyBuffer tables,
   const auto is_index = [](T t) { return t == T::S32 || t == T::S64; };
   const auto cd = cache.dimensions(), td = tables.dimensions();
   if (cd.size() != 3) return "kv_cache must be [num_blocks, block_size, width]";
-  int64_t entry_bytes = 2 * kEntry, item = 2;
+  int64_t item = 2;
   switch (cache.element_type()) {
-    case T::U8: p.cache_format = CacheFormat::kFp8DsMla, entry_bytes = kDsMlaEntryBytes, item = 1; break;
-    case T::F8E4M3FN: p.cache_format = CacheFormat::kFp8, entry_bytes = kEntry, item = 1; break;
+    case T::U8: p.cache_format = CacheFormat::kFp8DsMla, item = 1; break;
+    case T::F8E4M3FN: p.cache_format = CacheFormat::kFp8, item = 1; break;
     case T::BF16: p.cache_format = CacheFormat::kBf16, p.cache16 = ActType::kBF16; break;
     case T::F16: p.cache_format = CacheFormat::kBf16, p.cache16 = ActType::kF16; break;
     default: return "kv_cache must be bfloat16, float16, float8_e4m3fn or uint8";
   }
   p.num_blocks = cd[0], p.block_size = cd[1], p.row_bytes = cd[2] * item;
-  if (p.row_bytes < entry_bytes || p.row_bytes % 16 != 0)
+  if (p.row_bytes < p.entry_bytes() || p.row_bytes % 16 != 0)
     return "kv_cache rows must hold an entry and be a multiple of 16 bytes";
   if (p.block_size < 1 && p.num_blocks > 0) return "block_size must be >= 1";
   const bool fp8_cache = p.cache_format == CacheFormat::kFp8;
