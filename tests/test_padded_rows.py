@@ -138,16 +138,8 @@ READER_CASES = [
 
 
 @pytest.mark.parametrize("fmt,q_dtype,width", READER_CASES)
-def test_decode_attention_reads_padded_rows(request, backend, fmt, q_dtype, width):
+def test_decode_attention_reads_padded_rows(backend, fmt, q_dtype, width):
     """The same results as over the unpadded cache: bit for bit on one backend."""
-    if backend == "cuda":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                raises=jax.errors.JaxRuntimeError,
-                reason="the CUDA decode attention rejects padded rows until its rewrite reads them through row_bytes",
-            )
-        )
     args, kw = attn.make_case(fmt, q_dtype, lens=(0, 1, 17, 40), q_tokens=2, seed=6)
     wide = dict(args, kv_cache=_pad(args["kv_cache"], width, seed=7))
     narrow_out = attn.run(jax_kimi_mla.mla_decode_attention, args, kw, backend)

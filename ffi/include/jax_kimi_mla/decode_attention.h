@@ -99,14 +99,6 @@ inline ffi::Error make_decode_attention(ffi::AnyBuffer q, ffi::AnyBuffer cache,
     return fail(err.c_str());
   if (a.cache_format == CacheFormat::kBf16 && cache.element_type() != q.element_type())
     return fail("a bf16/fp16 kv_cache must have the dtype of q");
-#if defined(__CUDACC__) && !defined(JKM_CUDA_DECODE_ATTENTION_READS_PADDED_ROWS)
-  // The CUDA kernel (decode_attention_cuda.cu, being rewritten) takes unpadded rows only until it
-  // is shown to address every row through a.row_bytes; it then defines the macro above before
-  // including this header (or this guard goes). The CPU handler reads padded rows.
-  if (a.padded_rows())
-    return fail("the CUDA kernel does not read padded kv_cache rows (wider than the entry) yet; "
-                "use rows of exactly the entry on the GPU, or the CPU handler");
-#endif
   if ((q_scale_inv.element_count() == 1) != (a.q_type == QType::kE4m3) ||
       q_scale_inv.element_type() != T::F32 || q_scale_inv.element_count() > 1)
     return fail("q_scale_inv must be float32 [1] exactly when q is fp8, else [0]");

@@ -36,7 +36,6 @@ struct PagedCache {
            : cache_format == CacheFormat::kFp8    ? kEntry
                                                   : 2 * kEntry;
   }
-  JKM_HD bool padded_rows() const { return row_bytes != entry_bytes(); }
 
   // Tokens of sequence b, clamped to [0, max_blocks * block_size].
   JKM_HD int64_t context_len(int64_t b) const {
