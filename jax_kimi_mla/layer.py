@@ -218,7 +218,7 @@ def _rope_kwargs(positions, cos_sin_cache):
 
 def prefill(
     params, x, positions, slot_mapping, kv_cache, *, config, block_table=None, context_len=None, cu_seqlens=None, layer=None, cos_sin_cache=None,
-    attention_impl=None,
+    attention_impl=None, context_tokens=None,
 ):
     """Prompt chunks through the layer: one sequence's, or several packed (ragged); writes their
     tokens into the cache.
@@ -240,6 +240,9 @@ def prefill(
       cos_sin_cache: float32 [max_position, 64] turns GPT-J RoPE on; None = NoPE (Kimi-K3).
       attention_impl: "auto", "cudnn" or "blockwise" (static): overrides
         ``config.attention_impl`` for this call. "cudnn" raises ValueError where it cannot run.
+      context_tokens: static rows of the gathered context, at least ``sum(context_len)``
+        (default: S * max_blocks * block_size, every table full). A server buckets it, as the
+        context is up-projected and attended row by row.
 
     Returns:
       (out [T, hidden] activation dtype, kv_cache). Each token attends to its own sequence only:
@@ -294,7 +297,7 @@ def prefill(
             cache,
             _layer_tables(block_table, layer, kv_cache.shape[-3]),
             lens,
-            num_tokens=block_table.shape[0] * block_table.shape[1] * cache.shape[1],
+            num_tokens=context_tokens or block_table.shape[0] * block_table.shape[1] * cache.shape[1],
             ds_mla=fmt == "fp8_ds_mla",
             cache_scale_inv=params["fp8_scale_inv"]["cache"] if fmt == "fp8" else None,
             out_dtype=act,
