@@ -263,3 +263,49 @@ def test_public_fallback_matches_reference(monkeypatch):
         got = run.step("prefill", run.xs[seq, :n], positions, slots)
         run.written += list(np.asarray(slots))
         np.testing.assert_allclose(got, run.expected[seq, :n], rtol=0, atol=TOLERANCE["bf16"], err_msg=f"seq {seq}")
+
+
+def _dense_packed(q, k, v, cu, scale):
+    """float32 attention of packed segments (same cu for q and k), causal within each: (out, lse [T, H])."""
+    T = q.shape[0]
+    seg = np.searchsorted(np.asarray(cu)[1:], np.arange(T), side="right")
+    seen = (seg[:, None] == seg[None, :]) & np.tril(np.ones((T, T), bool))
+    s = jnp.einsum("thd,shd->hts", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    s = jnp.where(seen[None], s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, -1)
+    return jnp.einsum("hts,shv->thv", jnp.exp(s - lse[..., None]), v.astype(jnp.float32)), lse.T
+
+
+@pytest.mark.cuda
+def test_cudnn_packed_layout_facts():
+    """What the packed path assumes of jax's cuDNN module, checked directly on three segments:
+    the softmax stats are [segments, H, T] with segment j's token l at [j, :, l] (natural-log
+    log-sum-exp of the scaled scores), and the output is right with v padded to q's 192 columns.
+    Also reports (xfail) whether v's own 128 columns would do, which would save the padding."""
+    if pa.device_problem() is not None:
+        pytest.skip(pa.device_problem())
+    module = pa.private_api()
+    rng = np.random.default_rng(1)
+    T, H = 96, 2
+    cu = np.array([0, 40, 72, 96], np.int32)
+    q, k = (jnp.asarray(rng.standard_normal((T, H, 192)), jnp.bfloat16) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((T, H, 128)), jnp.bfloat16)
+    scale = 192**-0.5
+    want, want_lse = _dense_packed(q, k, v, cu, scale)
+    lens = jnp.asarray(np.diff(cu))
+    starts = jnp.asarray(cu[:-1])
+    v192 = jnp.pad(v, ((0, 0), (0, 0), (0, 64)))
+    out, stats = jax.jit(functools.partial(pa._call, module, scale=scale, causal=True, lse=True))(
+        q, k, v192, q_lens=lens, kv_lens=lens, q_starts=starts, kv_starts=starts)
+    np.testing.assert_allclose(np.asarray(out[..., :128], np.float32), np.asarray(want), atol=0.03)
+    stats = np.asarray(stats)
+    assert stats.shape == (3, H, T), stats.shape
+    seg = np.searchsorted(cu[1:], np.arange(T), side="right")
+    per_segment = stats[seg, :, np.arange(T) - cu[seg]]  # [T, H]
+    if not np.allclose(per_segment, np.asarray(want_lse), atol=0.02):
+        hint = "token-indexed ([0, :, t])" if np.allclose(stats[0].T, np.asarray(want_lse), atol=0.02) else "unknown"
+        pytest.fail(f"cuDNN's packed softmax stats are not per segment; layout looks {hint}: fix prefill_attention._lse_rows")
+    out128, _ = jax.jit(functools.partial(pa._call, module, scale=scale, causal=True, lse=False))(
+        q, k, v, q_lens=lens, kv_lens=lens, q_starts=starts, kv_starts=starts)
+    if not np.allclose(np.asarray(out128, np.float32), np.asarray(want), atol=0.03):
+        pytest.xfail("packed layout with v's own 128 columns is wrong: the padding to 192 stays")
