@@ -116,26 +116,37 @@ def layout(case: Case) -> dict:
                 lens=np.full(case.seqs, case.context, np.int32))
 
 
-def step_and_args(case: Case, sizes: Sizes, impl: str) -> tuple:
-    """(jitted step, args, donated) of one prefill call; the cache holds valid entries."""
+def step_and_args(case: Case, sizes: Sizes, impl: str, host: bool = False) -> tuple:
+    """(jitted step, args, donated) of one prefill call; the cache holds valid entries. ``host``:
+    the arrays are numpy (bf16 through ml_dtypes), made without any device scratch."""
     config = config_of(case, sizes, impl)
     lay = layout(case)
-    k_params, k_x, k_cache = jax.random.split(jax.random.key(0), 3)
-    params = layer.init_params(k_params, config)
-    x = jax.random.normal(k_x, (case.tokens, sizes.hidden), jnp.float32).astype(jnp.bfloat16)
-    cache = _workloads.random_cache(k_cache, "bf16", lay["num_blocks"])
+    if host:
+        rng = np.random.default_rng(0)
+        bf16 = lambda shape: (0.05 * rng.standard_normal(shape, np.float32)).astype(jnp.bfloat16)
+        shapes = jax.eval_shape(functools.partial(layer.init_params, config=config), jax.random.key(0))
+        params = jax.tree.map(lambda a: bf16(a.shape) if a.ndim > 1 else np.ones(a.shape, a.dtype), shapes)
+        x = bf16((case.tokens, sizes.hidden))
+        cache = bf16((lay["num_blocks"], BLOCK, ENTRY))
+    else:
+        k_params, k_x, k_cache = jax.random.split(jax.random.key(0), 3)
+        params = layer.init_params(k_params, config)
+        x = jax.random.normal(k_x, (case.tokens, sizes.hidden), jnp.float32).astype(jnp.bfloat16)
+        cache = _workloads.random_cache(k_cache, "bf16", lay["num_blocks"])
     kw = {}
     if case.seqs > 1 or case.context:
-        kw["cu_seqlens"] = jnp.asarray(lay["cu"])
+        kw["cu_seqlens"] = lay["cu"]
     if case.context:
-        kw |= dict(block_table=jnp.asarray(lay["tables"]), context_len=jnp.asarray(lay["lens"]))
+        kw |= dict(block_table=lay["tables"], context_len=lay["lens"])
 
     @functools.partial(jax.jit, donate_argnums=4)
     def step(params, x, positions, slots, cache, kw):
         return layer.prefill(params, x, positions, slots, cache, config=config, context_tokens=case.seqs * case.context or None,
                              **kw)
 
-    args = [params, x, jnp.asarray(lay["positions"]), jnp.asarray(lay["slots"]), cache, kw]
+    args = [params, x, lay["positions"], lay["slots"], cache, kw]
+    if not host:
+        args = [params, x, *jax.device_put(args[2:4]), cache, jax.device_put(kw)]
     return step, args, {4: 1}
 
 
@@ -239,10 +250,13 @@ def peak_of(case: Case, sizes: Sizes, impl: str, quick: bool) -> int | None:
 
 
 def memory_of(name: str, sizes: Sizes, impl: str) -> None:
-    """In the subprocess: one step of the named case, then the device's peak bytes as JSON."""
+    """In the subprocess: one step of the named case, then the device's peak bytes as JSON. The
+    step is compiled (and autotuned) before any input is on the device, and the inputs are made
+    on the host, so the peak is the step's own."""
     case = next(c for c in sizes.cases if c.name == name)
-    step, args, donated = step_and_args(case, sizes, impl)
-    jax.block_until_ready(_workloads.run(step, args, donated))
+    step, args, _ = step_and_args(case, sizes, impl, host=True)
+    compiled = step.lower(*jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)).compile()
+    jax.block_until_ready(compiled(*jax.device_put(args)))
     stats = jax.devices()[0].memory_stats() or {}
     print(json.dumps({"peak_bytes_in_use": stats.get("peak_bytes_in_use")}))
 
