@@ -5,7 +5,7 @@ output gate, a bf16 cache of 64-token blocks, jitted with the cache donated):
 
 - **step**: device time per call (``jax_kimi_mla._profile``, as bench.py), and the **sum of its
   parts**, each jitted and timed alone in the same run on inputs of its shape: every GEMM (q_a,
-  q_b, kv_a, kv_b, the context's kv_b, the gate, o_proj), the two RMSNorms, the gate's sigmoid
+  q_b, kv_a, kv_b's k_nope and v, the context's kv_b, the gate, o_proj), the two RMSNorms, the gate's sigmoid
   product, the epilogue, the context gather, assembling the context's k, and the attention
   call(s) of the implementation the step runs. Target: step <= 1.25x the sum.
 - **peak memory**: ``memory_stats()["peak_bytes_in_use"]`` of a fresh process that builds the
@@ -188,29 +188,31 @@ def parts(case: Case, sizes: Sizes, impl: str) -> dict:
         "q_b_proj": (proj("tr,rhc->thc"), [bf16(t, Q_LORA_RANK), bf16(Q_LORA_RANK, h, P + R)], {}),
         "kv_a_proj": (proj("td,de->te"), [bf16(t, d), bf16(d, ENTRY)], {}),
         "kv_a_norm": (norm, [bf16(t, L), bf16(L)], {}),
-        "kv_b_proj": (proj("tl,lhc->thc"), [bf16(t, L), bf16(L, h, P + V)], {}),
+        "kv_b_proj k_nope": (proj("tl,lhc->thc"), [bf16(t, L), bf16(L, h, P)], {}),
+        "kv_b_proj v": (proj("tl,lhc->thc"), [bf16(t, L), bf16(L, h, V)], {}),
     }
 
     @functools.partial(jax.jit, donate_argnums=4)
-    def epilogue(q, kv, kv_a, kv_c_normed, cache, slots):
-        k, q, cache = jax_kimi_mla.fused_mla_key_concat_kv_cache_insert(q, columns(kv, 0), columns(kv_a, L), kv_c_normed, cache, slots)
+    def epilogue(q, k_nope, kv_a, kv_c_normed, cache, slots):
+        k, q, cache = jax_kimi_mla.fused_mla_key_concat_kv_cache_insert(q, k_nope, columns(kv_a, L), kv_c_normed, cache, slots)
         return cache, k, q
 
     cache = jnp.zeros((lay["num_blocks"], BLOCK, ENTRY), jnp.bfloat16)
-    out["epilogue"] = (epilogue, [bf16(t, h, P + R), bf16(t, h, P + V), bf16(t, ENTRY), bf16(t, L), cache, jnp.asarray(lay["slots"])], {4: 0})
+    out["epilogue"] = (epilogue, [bf16(t, h, P + R), bf16(t, h, P), bf16(t, ENTRY), bf16(t, L), cache, jnp.asarray(lay["slots"])], {4: 0})
     ctx = None
     if case.context:
         gather = jax.jit(functools.partial(jax_kimi_mla.gather_mla_cache, num_tokens=c))
         filled = _workloads.random_cache(next(keys), "bf16", lay["num_blocks"])
         out["gather"] = (gather, [filled, jnp.asarray(lay["tables"]), jnp.asarray(lay["lens"])], {})
-        out["context kv_b_proj"] = (proj("sl,lhc->shc"), [bf16(c, L), bf16(L, h, P + V)], {})
+        out["context kv_b_proj k_nope"] = (proj("sl,lhc->shc"), [bf16(c, L), bf16(L, h, P)], {})
+        out["context kv_b_proj v"] = (proj("sl,lhc->shc"), [bf16(c, L), bf16(L, h, V)], {})
 
         @jax.jit
-        def context_k(ctx_kv, ctx_latent):
+        def context_k(k_nope, ctx_latent):
             k_pe = jnp.broadcast_to(ctx_latent[:, None, L:], (ctx_latent.shape[0], h, R))
-            return jnp.concatenate([ctx_kv[..., :P], k_pe], -1)
+            return jnp.concatenate([k_nope, k_pe], -1)
 
-        out["context k"] = (context_k, [bf16(c, h, P + V), bf16(c, ENTRY)], {})
+        out["context k"] = (context_k, [bf16(c, h, P), bf16(c, ENTRY)], {})
         ctx = (bf16(c, h, P + R), bf16(c, h, V), jnp.asarray(lay["lens"]))
     chosen = prefill_attention.choose(impl, packed=case.seqs > 1, context=bool(case.context))
     q, k, v, cu = bf16(t, h, P + R), bf16(t, h, P + R), bf16(t, h, V), jnp.asarray(lay["cu"])

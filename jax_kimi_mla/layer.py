@@ -254,8 +254,8 @@ def prefill(
     slots = _cache_slots(slot_mapping, base, rows)
     rope_kw = _rope_kwargs(positions, cos_sin_cache)
     q, kv_a, kv_c_normed = _projections(params, x, config)
-    kv = _proj("tl,lhc->thc", kv_c_normed, params["kv_b_proj"])  # [T, H, 256] = [k_nope | v]
     if fmt == "fp8":
+        kv = _proj("tl,lhc->thc", kv_c_normed, params["kv_b_proj"])  # [T, H, 256] = [k_nope | v]
         s = params["fp8_scale_inv"]
         q, k, v, cache = ops.fused_mla_qkv_quant_kv_cache_fp8_insert(
             q,
@@ -271,17 +271,20 @@ def prefill(
         # Attention runs on the values the fp8 q, k, v stand for.
         q, k, v = (q.astype(F32) / s["q"]).astype(act), (k.astype(F32) / s["k"]).astype(act), (v.astype(F32) / s["v"]).astype(act)
     else:
+        # k_nope and v by two GEMMs: the attention needs v contiguous, which a slice of one
+        # [T, H, 256] product is not (XLA would copy it); slicing the weight copies far less.
+        w = params["kv_b_proj"]
+        k_nope, v = _proj("tl,lhp->thp", kv_c_normed, w[..., :P]), _proj("tl,lhv->thv", kv_c_normed, w[..., P:])
         insert = ops.fused_mla_key_concat_ds_mla_insert if fmt == "fp8_ds_mla" else ops.fused_mla_key_concat_kv_cache_insert
         k, q, cache = insert(
             q,
-            columns(kv, 0),
+            k_nope,
             columns(kv_a, L),
             kv_c_normed,
             cache,
             slots,
             **rope_kw,
         )
-        v = kv[..., P:]
     T = x.shape[0]
     if cu_seqlens is None:  # one sequence: S = 1
         cu_seqlens = jnp.array([0, T], jnp.int32)
@@ -303,9 +306,11 @@ def prefill(
             out_dtype=act,
         )
         # k for a cached token = [k_nope from its latent | its k_pe], v from its latent.
-        ctx_kv = _proj("sl,lhc->shc", ctx[:, :L], params["kv_b_proj"])
+        # (Two GEMMs, as above: v comes out contiguous.)
+        w = params["kv_b_proj"]
+        ctx_k_nope, ctx_v = _proj("sl,lhp->shp", ctx[:, :L], w[..., :P]), _proj("sl,lhv->shv", ctx[:, :L], w[..., P:])
         ctx_k_pe = jnp.broadcast_to(ctx[:, None, L:], (ctx.shape[0], q.shape[1], R))
-        ctx_k, ctx_v = jnp.concatenate([ctx_kv[..., :P], ctx_k_pe], -1), ctx_kv[..., P:]
+        ctx_k = jnp.concatenate([ctx_k_nope, ctx_k_pe], -1)
     if impl == "blockwise":
         o = _attention_blockwise(q, k, v, cu, lens, ctx_k, ctx_v, config)
     else:
