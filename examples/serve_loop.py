@@ -177,7 +177,9 @@ def copy_bandwidth(nbytes):
 
 
 class Server:
-    def __init__(self, args, cache_format):
+    def __init__(self, args, cache_format=None):
+        """``cache_format``: one format name; default ``args.cache_format`` (not "all")."""
+        cache_format = cache_format or args.cache_format
         self.args = args
         self.config = mla.MLAConfig(hidden_size=args.hidden, num_heads=args.heads, q_lora_rank=args.q_lora_rank, cache_format=cache_format)
         max_len = args.max_prompt + args.max_new_tokens
