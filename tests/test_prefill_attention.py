@@ -204,6 +204,13 @@ def test_merge_of_two_parts_is_attention_over_both():
     np.testing.assert_allclose(empty, o2, rtol=1e-6)
 
 
+def test_blockwise_when_asked_for():
+    """"blockwise" runs on any backend (on a GPU "auto" would pick cuDNN, so this keeps the loop
+    covered there), several tiles, chunks after a context."""
+    assert pa.choose("blockwise", packed=True, context=True) == "blockwise"
+    run_and_check(Run("bf16", False, 81, attention_impl="blockwise", attention_block=4))
+
+
 # ---- the real thing (GPU) ----------------------------------------------------------------------
 
 
