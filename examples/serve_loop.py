@@ -181,7 +181,8 @@ class Server:
         """``cache_format``: one format name; default ``args.cache_format`` (not "all")."""
         cache_format = cache_format or args.cache_format
         self.args = args
-        self.config = mla.MLAConfig(hidden_size=args.hidden, num_heads=args.heads, q_lora_rank=args.q_lora_rank, cache_format=cache_format)
+        self.config = mla.MLAConfig(hidden_size=args.hidden, num_heads=args.heads, q_lora_rank=args.q_lora_rank, cache_format=cache_format,
+                                    attention_impl=args.attention_impl)
         max_len = args.max_prompt + args.max_new_tokens
         self.max_blocks = math.ceil(max_len / args.block_size)
         self.cos_sin = cos_sin = jax_kimi_mla.make_cos_sin_cache(max_len) if args.rope else None
@@ -396,6 +397,8 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--cache-format", choices=(*mla.CACHE_FORMATS, "all"), default="bf16", help="'all': each format in turn")
     p.add_argument("--rope", action="store_true", help="GPT-J RoPE (Kimi-K3 itself runs NoPE)")
+    p.add_argument("--attention-impl", choices=("auto", "cudnn", "blockwise"), default="auto",
+                   help="prefill attention engine (docs/PREFILL.md): auto = cuDNN where it runs, else blockwise")
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--min-prompt", type=int, default=8)
     p.add_argument("--max-prompt", type=int, default=80)
@@ -423,8 +426,9 @@ def parse_args(argv=None):
 
 def serve_one_format(args, cache_format, bandwidth):
     server = Server(args, cache_format)
+    engine = mla.prefill_attention.choose(args.attention_impl, packed=True, context=True)
     print(f"{cache_format}: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, q_lora {args.q_lora_rank}, "
-          f"cache of {args.num_blocks} blocks x {args.block_size}", flush=True)
+          f"cache of {args.num_blocks} blocks x {args.block_size}, prefill attention {engine}", flush=True)
     t = time.perf_counter()
     server.warm_up()
     print(f"  compiled the steps in {time.perf_counter() - t:.1f} s", flush=True)
