@@ -2,7 +2,8 @@
 # Everything an H200 session runs, in one device call (the device has no network: it builds against
 # its preinstalled jax/jaxlib, nanobind and scikit-build-core):
 #   bash benchmarks/h200.sh [build] [test] [attn-test] [sanitize] [attn-sanitize] [selfcheck]
-#                           [bench] [bench-quick] [attn-bench] [attn-bench-quick] [ncu] [attn-ncu]
+#                           [bench] [bench-quick] [attn-bench] [attn-bench-quick] [prefill-test]
+#                           [prefill-bench] [prefill-bench-quick] [serve-h200] [ncu] [attn-ncu]
 # Logs and a tarball of benchmarks/results go to $OUT (or ./h200-out).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -55,6 +56,17 @@ for s in $stages; do
       quick=$([ "$s" = attn-bench-quick ] && echo --quick)
       stage attn-bench python3 -P benchmarks/bench_attention.py $quick --out "$OUT/attn" &&
         tar czf "$OUT/attn.tgz" -C "$OUT" attn && rm -rf "$OUT/attn" ;;
+    prefill-test)
+      # Prefill attention on cuDNN (and its fallbacks) against the reference, the layer on it.
+      stage prefill-test python3 -P -m pytest -q -rfEs -p no:cacheprovider tests/test_prefill_attention.py \
+        tests/test_layer.py tests/test_bench_prefill.py ;;
+    prefill-bench|prefill-bench-quick)
+      quick=$([ "$s" = prefill-bench-quick ] && echo --quick)
+      stage prefill-bench python3 -P benchmarks/bench_prefill.py $quick --out "$OUT/prefill" &&
+        tar czf "$OUT/prefill.tgz" -C "$OUT" prefill && rm -rf "$OUT/prefill" ;;
+    serve-h200)
+      # The serve loop at Kimi-K3 TP8 layer shapes, prompts up to 32k, every cache format.
+      stage serve-h200 python3 -P examples/serve_loop.py --preset h200 ;;
     ncu)
       # Nsight Compute counters of the kernel at the sizes that miss issue 4's targets.
       metrics=smsp__issue_active.avg.pct_of_peak_sustained_active,sm__inst_executed.sum,dram__bytes.sum

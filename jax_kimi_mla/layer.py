@@ -3,8 +3,9 @@
 Prefill runs MLA in its non-absorbed form: per-head q [T, H, 192], k = [k_nope | k_pe] and
 v [T, H, 128], causal attention over the new tokens plus, for a later chunk of a prompt, over the
 sequence's cached tokens (read back with ``gather_mla_cache`` and up-projected through
-kv_b_proj). The attention is blockwise (online softmax over tiles of ``config.attention_block``
-queries and keys), so memory grows with T x block, not T^2. Decode runs the absorbed form: W_UK
+kv_b_proj). The attention runs on cuDNN's flash attention where the GPU has it, else blockwise
+(online softmax over tiles of ``config.attention_block`` queries and keys); either way memory grows
+with T, not T^2 (``config.attention_impl``, :mod:`jax_kimi_mla.prefill_attention`). Decode runs the absorbed form: W_UK
 folded into the query (ql_nope [B, H, 512]), ``mla_decode_attention`` of mqa_q [B, (S_q,) H, 576]
 over the paged latent cache, W_UV after. Optional: an output gate (Kimi-K3), q projected without
 q_lora, a softmax scale other than 1/sqrt(192) (YaRN); see :class:`MLAConfig`.
@@ -50,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _checks, ops
+from . import _checks, ops, prefill_attention
 from ._checks import columns
 from .formats import CACHE_FORMATS, ENTRY, L, P, R, V
 from .numerics import E4M3_MAX, rope
@@ -74,8 +75,11 @@ class MLAConfig:
     rms_norm_eps: float = 1e-6
     softmax_scale: float | None = None  # None: 1 / sqrt(192); YaRN models fold in mscale^2
     output_gate: bool = False  # Kimi-K3: attention output * sigmoid(x @ g_proj) before o_proj
-    attention_block: int = 512  # prefill attention runs in tiles of this many queries x keys
+    attention_block: int = 512  # the blockwise prefill attention's tiles: this many queries x keys
     rope_style: str = "gptj"  # with a cos/sin table: "gptj" (interleaved pairs) or "neox" (rotate-half)
+    # Prefill attention: "cudnn" (cuDNN flash attention; Hopper, cuDNN >= 9.10), "blockwise"
+    # (jnp online softmax, any backend) or "auto" (cudnn where it runs, else blockwise).
+    attention_impl: str = "auto"
 
     @property
     def attention_scale(self) -> float:
@@ -85,6 +89,8 @@ class MLAConfig:
         if self.cache_format not in CACHE_FORMATS:
             raise ValueError(f"cache_format must be one of {tuple(CACHE_FORMATS)}, got {self.cache_format!r}")
         _checks.rope_style(self.rope_style)
+        if self.attention_impl not in prefill_attention.IMPLS:
+            raise ValueError(f"attention_impl must be one of {prefill_attention.IMPLS}, got {self.attention_impl!r}")
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_layers"))
@@ -228,7 +234,8 @@ def _rope_kwargs(positions, cos_sin_cache, config):
 
 
 def prefill(
-    params, x, positions, slot_mapping, kv_cache, *, config, block_table=None, context_len=None, cu_seqlens=None, layer=None, cos_sin_cache=None
+    params, x, positions, slot_mapping, kv_cache, *, config, block_table=None, context_len=None, cu_seqlens=None, layer=None, cos_sin_cache=None,
+    attention_impl=None, context_tokens=None,
 ):
     """Prompt chunks through the layer: one sequence's, or several packed (ragged); writes their
     tokens into the cache.
@@ -249,6 +256,11 @@ def prefill(
       layer: index (may be traced) of this layer in a stacked cache.
       cos_sin_cache: float32 [max_position, 64] turns RoPE on (``config.rope_style``: GPT-J by
         default, or NeoX); None = NoPE (Kimi-K3).
+      attention_impl: "auto", "cudnn" or "blockwise" (static): overrides
+        ``config.attention_impl`` for this call. "cudnn" raises ValueError where it cannot run.
+      context_tokens: static rows of the gathered context, at least ``sum(context_len)``
+        (default: S * max_blocks * block_size, every table full). A server buckets it, as the
+        context is up-projected and attended row by row.
 
     Returns:
       (out [T, hidden] activation dtype, kv_cache). Each token attends to its own sequence only:
@@ -260,8 +272,8 @@ def prefill(
     slots = _cache_slots(slot_mapping, base, rows)
     rope_kw = _rope_kwargs(positions, cos_sin_cache, config)
     q, kv_a, kv_c_normed = _projections(params, x, config)
-    kv = _proj("tl,lhc->thc", kv_c_normed, params["kv_b_proj"])  # [T, H, 256] = [k_nope | v]
     if fmt == "fp8":
+        kv = _proj("tl,lhc->thc", kv_c_normed, params["kv_b_proj"])  # [T, H, 256] = [k_nope | v]
         s = params["fp8_scale_inv"]
         q, k, v, cache = ops.fused_mla_qkv_quant_kv_cache_fp8_insert(
             q,
@@ -275,19 +287,22 @@ def prefill(
             **rope_kw,
         )
         # Attention runs on the values the fp8 q, k, v stand for.
-        q, k, v = q.astype(F32) / s["q"], k.astype(F32) / s["k"], v.astype(F32) / s["v"]
+        q, k, v = (q.astype(F32) / s["q"]).astype(act), (k.astype(F32) / s["k"]).astype(act), (v.astype(F32) / s["v"]).astype(act)
     else:
+        # k_nope and v by two GEMMs: the attention needs v contiguous, which a slice of one
+        # [T, H, 256] product is not (XLA would copy it); slicing the weight copies far less.
+        w = params["kv_b_proj"]
+        k_nope, v = _proj("tl,lhp->thp", kv_c_normed, w[..., :P]), _proj("tl,lhv->thv", kv_c_normed, w[..., P:])
         insert = ops.fused_mla_key_concat_ds_mla_insert if fmt == "fp8_ds_mla" else ops.fused_mla_key_concat_kv_cache_insert
         k, q, cache = insert(
             q,
-            columns(kv, 0),
+            k_nope,
             columns(kv_a, L),
             kv_c_normed,
             cache,
             slots,
             **rope_kw,
         )
-        q, k, v = q.astype(F32), k.astype(F32), kv[..., P:].astype(F32)
     T = x.shape[0]
     if cu_seqlens is None:  # one sequence: S = 1
         cu_seqlens = jnp.array([0, T], jnp.int32)
@@ -295,36 +310,54 @@ def prefill(
         context_len = None if context_len is None else jnp.reshape(context_len, (1,))
     cu = jnp.asarray(cu_seqlens, jnp.int32)
     lens = jnp.zeros(cu.shape[0] - 1, jnp.int32) if block_table is None else jnp.asarray(context_len, jnp.int32)
-    # Token i of x is token lens[s] + (i - cu[s]) of its sequence s; padding (i >= cu[S]) is a
-    # sequence of its own, S, which no real token sees.
-    i = jnp.arange(T, dtype=jnp.int32)
-    q_seq = jnp.searchsorted(cu[1:], i, side="right").astype(jnp.int32)
-    q_pos = jnp.concatenate([lens, jnp.zeros(1, jnp.int32)])[q_seq] + i - cu[q_seq]
-    k_seq, k_pos, k_valid = q_seq, q_pos, jnp.ones((T,), bool)
+    impl = prefill_attention.choose(attention_impl or config.attention_impl, packed=cu.shape[0] > 2, context=block_table is not None)
+    ctx_k = ctx_v = None
     if block_table is not None:
         # The sequences' cached contexts, dequantized and packed back to back: [C, 576].
         ctx = ops.gather_mla_cache(
             cache,
             _layer_tables(block_table, layer, kv_cache.shape[-3]),
             lens,
-            num_tokens=block_table.shape[0] * block_table.shape[1] * cache.shape[1],
+            num_tokens=context_tokens or block_table.shape[0] * block_table.shape[1] * cache.shape[1],
             ds_mla=fmt == "fp8_ds_mla",
             cache_scale_inv=params["fp8_scale_inv"]["cache"] if fmt == "fp8" else None,
             out_dtype=act,
         )
         # k for a cached token = [k_nope from its latent | its k_pe], v from its latent.
-        ctx_kv = _proj("sl,lhc->shc", ctx[:, :L], params["kv_b_proj"])
-        ctx_k_pe = jnp.broadcast_to(ctx[:, None, L:].astype(F32), (ctx.shape[0], q.shape[1], R))
-        k = jnp.concatenate([jnp.concatenate([ctx_kv[..., :P].astype(F32), ctx_k_pe], -1), k])
-        v = jnp.concatenate([ctx_kv[..., P:].astype(F32), v])
-        r = jnp.arange(ctx.shape[0], dtype=jnp.int32)
+        # (Two GEMMs, as above: v comes out contiguous.)
+        w = params["kv_b_proj"]
+        ctx_k_nope, ctx_v = _proj("sl,lhp->shp", ctx[:, :L], w[..., :P]), _proj("sl,lhv->shv", ctx[:, :L], w[..., P:])
+        ctx_k_pe = jnp.broadcast_to(ctx[:, None, L:], (ctx.shape[0], q.shape[1], R))
+        ctx_k = jnp.concatenate([ctx_k_nope, ctx_k_pe], -1)
+    if impl == "blockwise":
+        o = _attention_blockwise(q, k, v, cu, lens, ctx_k, ctx_v, config)
+    else:
+        o = prefill_attention.cudnn_attention(
+            q, k, v, cu, scale=config.attention_scale, ctx_k=ctx_k, ctx_v=ctx_v, ctx_lens=lens, api=impl
+        )
+    return _output(params, x, o.astype(act), config), cache.reshape(kv_cache.shape)
+
+
+def _attention_blockwise(q, k, v, cu, lens, ctx_k, ctx_v, config):
+    """The blockwise attention of :func:`prefill` (float32): token i of x is token
+    lens[s] + (i - cu[s]) of its sequence s; padding (i >= cu[S]) is a sequence of its own, S, which
+    no real token sees; cached tokens come first, packed back to back."""
+    T = q.shape[0]
+    i = jnp.arange(T, dtype=jnp.int32)
+    q_seq = jnp.searchsorted(cu[1:], i, side="right").astype(jnp.int32)
+    q_pos = jnp.concatenate([lens, jnp.zeros(1, jnp.int32)])[q_seq] + i - cu[q_seq]
+    q, k, v = q.astype(F32), k.astype(F32), v.astype(F32)
+    k_seq, k_pos, k_valid = q_seq, q_pos, jnp.ones((T,), bool)
+    if ctx_k is not None:
+        k = jnp.concatenate([ctx_k.astype(F32), k])
+        v = jnp.concatenate([ctx_v.astype(F32), v])
+        r = jnp.arange(ctx_k.shape[0], dtype=jnp.int32)
         ends = jnp.cumsum(lens)
         ctx_seq = jnp.searchsorted(ends, r, side="right").astype(jnp.int32)
         ctx_pos = r - jnp.concatenate([jnp.zeros(1, jnp.int32), ends])[ctx_seq]
         k_seq, k_pos = jnp.concatenate([ctx_seq, k_seq]), jnp.concatenate([ctx_pos, k_pos])
         k_valid = jnp.concatenate([r < ends[-1], k_valid])
-    o = _blockwise_attention(q, k, v, q_seq, q_pos, k_seq, k_pos, k_valid, config.attention_scale, config.attention_block)
-    return _output(params, x, o.astype(act), config), cache.reshape(kv_cache.shape)
+    return _blockwise_attention(q, k, v, q_seq, q_pos, k_seq, k_pos, k_valid, config.attention_scale, config.attention_block)
 
 
 def _output(params, x, o, config):

@@ -333,7 +333,12 @@ def test_packed_prefill_matches_reference(fmt, seed):
     """The three prompts' first chunks packed into one call (cu_seqlens, padded to 32 tokens, a
     trailing empty sequence), then the 19-token prompt's second chunk with its context: each token
     must see only its own sequence."""
-    run = Run(fmt, False, seed, attention_block=8)
+    packed_first_chunks(Run(fmt, False, seed, attention_block=8), TOLERANCE[fmt])
+
+
+def packed_first_chunks(run, atol):
+    """The packed scenario of the test above on a given run (also used with other attention
+    implementations)."""
     firsts = [(seq, chunks[0]) for seq, chunks in CHUNKS.items()]
     total = sum(n for _, n in firsts)
     pad = 2 * CHUNK_PAD
@@ -351,12 +356,53 @@ def test_packed_prefill_matches_reference(fmt, seed):
     got = run.step("prefill", x, jnp.asarray(positions), jnp.asarray(slots), cu_seqlens=jnp.asarray(cu, jnp.int32))
     run.written += list(slots[:total])
     for (seq, n), start in zip(firsts, cu):
-        np.testing.assert_allclose(got[start : start + n], run.expected[seq, :n], rtol=0, atol=TOLERANCE[fmt], err_msg=f"packed seq {seq}")
+        np.testing.assert_allclose(got[start : start + n], run.expected[seq, :n], rtol=0, atol=atol, err_msg=f"packed seq {seq}")
     # The second chunk of sequence 2, as one packed sequence with its cached context.
     seq, (first, n) = 2, CHUNKS[2]
     got = run.prefill_chunk(seq, first, n, packed=True)
-    np.testing.assert_allclose(got, run.expected[seq, first : first + n], rtol=0, atol=TOLERANCE[fmt], err_msg="second chunk")
+    np.testing.assert_allclose(got, run.expected[seq, first : first + n], rtol=0, atol=atol, err_msg="second chunk")
     run.check_untouched()
+
+
+def packed_with_context(run, atol):
+    """Packed chunks after cached contexts: the first chunks of sequences 0 and 2 packed, then one
+    call with later tokens of sequence 0 (after 5 cached tokens), all of sequence 1 (no context)
+    and the rest of sequence 2 (after 10), and an empty trailing sequence."""
+    firsts = [(seq, chunks[0]) for seq, chunks in CHUNKS.items()]
+    pad = 2 * CHUNK_PAD
+
+    def call(parts, n_seqs):
+        positions = np.zeros(pad, np.int32)
+        slots = np.full(pad, -1, np.int32)
+        x = jnp.zeros((pad, HIDDEN), run.config.dtype)
+        cu, at, tables, lens = [0], 0, [], []
+        for seq, start, n in parts:
+            positions[at : at + n] = np.arange(start, start + n)
+            slots[at : at + n] = [run.slot(seq, p) for p in range(start, start + n)]
+            x = x.at[at : at + n].set(run.xs[seq, start : start + n])
+            at += n
+            cu.append(at)
+            tables.append(run.tables[seq])
+            lens.append(start)
+        while len(cu) < n_seqs + 1:  # empty trailing sequences
+            cu.append(at)
+            tables.append(run.tables[0])
+            lens.append(0)
+        got = run.step("prefill", x, jnp.asarray(positions), jnp.asarray(slots), cu_seqlens=jnp.asarray(cu, jnp.int32),
+                       block_table=jnp.asarray(np.stack(tables)), context_len=jnp.asarray(lens, jnp.int32))
+        run.written += [s for s in slots if s >= 0]
+        for (seq, start, n), at in zip(parts, cu):
+            np.testing.assert_allclose(got[at : at + n], run.expected[seq, start : start + n], rtol=0, atol=atol,
+                                       err_msg=f"seq {seq} [{start}:{start + n}]")
+
+    call([(seq, 0, n) for seq, n in firsts if seq != 1], 3)
+    call([(0, 5, 4), (1, 0, 11), (2, 10, 9)], 4)  # sequence 1 starts here: no context, mid-batch
+    run.check_untouched()
+
+
+@pytest.mark.parametrize("fmt, seed", [("bf16", 43), ("fp8", 44)])
+def test_packed_prefill_with_context_matches_reference(fmt, seed):
+    packed_with_context(Run(fmt, False, seed, attention_block=8), TOLERANCE[fmt])
 
 
 # ---- the compiled HLO --------------------------------------------------------------------------

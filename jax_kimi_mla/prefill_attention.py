@@ -1,0 +1,234 @@
+"""The prefill attention of the MLA layer: which implementation runs it, and the cuDNN one.
+
+Prefill attends per head with q, k [.., 192] and v [.., 128] (MLA's non-absorbed form), causally
+within each packed sequence, after that sequence's cached context. Two implementations:
+
+- ``"blockwise"``: an online-softmax loop over (query tile, key tile) pairs in jnp
+  (``layer._blockwise_attention``), on every backend; memory O(T x block).
+- ``"cudnn"``: cuDNN's flash attention through jax, on a Hopper-or-later GPU with cuDNN >= 9.10
+  (what cuDNN needs for a v head dim that differs from q's). ``"auto"`` picks it where it runs and
+  the blockwise loop elsewhere (the CPU).
+
+The cuDNN path calls jax's cuDNN module (``jax._src.cudnn.fused_attention_stablehlo``) directly:
+unlike ``jax.nn.dot_product_attention`` it takes v's 128 columns as they are and packed sequences
+(``q_offsets`` / ``q_seqlen``). It is private, so it is used only on the jax versions it was
+checked on (:data:`TESTED_JAX`) and only when its signature is the one this file calls; otherwise
+the public ``jax.nn.dot_product_attention(implementation="cudnn")`` runs instead, with v padded to
+192 columns, which covers one sequence without cached context. docs/PREFILL.md has the measurements
+behind the choice.
+
+Cached context: jax's cuDNN causal mask is top-left aligned (query i sees keys 0..i), so a chunk
+that follows c cached tokens cannot be masked in one call. Two calls run instead: the chunk over its
+context with no mask, and the chunk over itself, causal; their outputs are merged by their
+log-sum-exps (as vLLM's MLA chunked prefill does). Nothing the size of T x S is materialised.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+
+IMPLS = ("auto", "cudnn", "blockwise")
+MIN_CUDNN_VERSION = 91000  # cuDNN 9.10: MLA head dims (v != q) in flash attention
+MIN_COMPUTE_CAPABILITY = (9, 0)  # Hopper; also what cuDNN needs for the packed layout
+# (major, minor) jax versions whose private cuDNN module this file was checked against.
+TESTED_JAX = ((0, 10), (0, 11))
+_PRIVATE_PARAMS = frozenset({"q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "scale", "mask_type", "qkv_layout", "return_residual"})
+F32 = jnp.float32
+
+
+@functools.cache
+def private_api():
+    """jax's cuDNN attention module, or None where this jax is not a checked version or the
+    module's ``dot_product_attention`` lacks the arguments used here."""
+    version = tuple(int(p) for p in jax.__version__.split(".")[:2])
+    if version not in TESTED_JAX:
+        return None
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as module
+    except ImportError:
+        return None
+    try:
+        params = set(inspect.signature(module.dot_product_attention).parameters)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    masks = {"NO_MASK", "PADDING", "CAUSAL", "PADDING_CAUSAL"}
+    if not _PRIVATE_PARAMS <= params or not masks <= set(getattr(module, "MaskType", {}).__members__):
+        return None
+    return module
+
+
+@functools.cache
+def device_problem() -> str | None:
+    """Why the default device cannot run cuDNN's MLA attention, or None if it can."""
+    device = jax.devices()[0]
+    if device.platform != "gpu" or "cuda" not in getattr(device.client, "platform_version", "cuda").lower():
+        return f"the default device is {device.platform} ({device.device_kind}), not a CUDA GPU"
+    capability = tuple(int(x) for x in str(getattr(device, "compute_capability", "0.0")).split(".")[:2])
+    if capability < MIN_COMPUTE_CAPABILITY:
+        return f"{device.device_kind} has compute capability {capability}, below {MIN_COMPUTE_CAPABILITY} (Hopper)"
+    try:
+        from jax._src.lib import cuda_versions
+
+        cudnn = cuda_versions.cudnn_get_version() if cuda_versions is not None else None
+    except (ImportError, AttributeError, RuntimeError):
+        cudnn = None
+    if cudnn is None:
+        return "no cuDNN was found"
+    if cudnn < MIN_CUDNN_VERSION:
+        return f"cuDNN {cudnn} is older than {MIN_CUDNN_VERSION} (9.10)"
+    return None
+
+
+def choose(impl: str, *, packed: bool, context: bool) -> str:
+    """The implementation that runs: "blockwise", "cudnn" (jax's cuDNN module) or "cudnn-public"
+    (``jax.nn.dot_product_attention``). ``packed``: several sequences in the call; ``context``:
+    the chunks follow cached tokens. "cudnn" that cannot run raises ValueError saying why."""
+    if impl not in IMPLS:
+        raise ValueError(f"attention_impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "blockwise":
+        return "blockwise"
+    problem = device_problem()
+    api = "cudnn" if private_api() is not None else "cudnn-public"
+    if problem is None and api == "cudnn-public" and (packed or context):
+        problem = (
+            f"jax {jax.__version__} is not a version whose private cuDNN module was checked {TESTED_JAX}, and the public "
+            "jax.nn.dot_product_attention takes neither packed sequences nor a cached context"
+        )
+    if problem is None:
+        return api
+    if impl == "cudnn":
+        raise ValueError(f"attention_impl='cudnn' cannot run: {problem}; use 'blockwise' or 'auto'")
+    return "blockwise"
+
+
+def _segments(cu, num_tokens):
+    """(sequence of each token [T], its index in its sequence [T]); padding tokens (past cu[-1])
+    get sequence S."""
+    i = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu[1:], i, side="right").astype(jnp.int32)
+    start = jnp.concatenate([cu[:-1], cu[-1:]])[seq]
+    return seq, i - start
+
+
+def _call(api, q, k, v, *, scale, causal, q_lens=None, kv_lens=None, q_starts=None, kv_starts=None, lse=False):
+    """One call of jax's cuDNN module on [T, H, D] arrays (a batch of one).
+
+    Without starts: one sequence; ``kv_lens`` ([1]) masks keys past it (then every query row is
+    live). With starts ([S] each, -1 for a segment left out): packed sequences, segment s of q at
+    rows [q_starts[s], + q_lens[s]) and of k/v at [kv_starts[s], + kv_lens[s]). Returns
+    (out [T, H, Dv], stats) with stats [segments or 1, H, T] float32 when ``lse``."""
+    mask = api.MaskType
+    kw = {}
+    if q_starts is not None:
+        end = jnp.full((1,), -1, jnp.int32)
+        kw = dict(q_seqlen=q_lens[None], kv_seqlen=kv_lens[None], q_offsets=jnp.concatenate([q_starts, end])[None],
+                  kv_offsets=jnp.concatenate([kv_starts, end])[None])
+        mask_type = mask.PADDING_CAUSAL if causal else mask.PADDING
+    elif kv_lens is not None:
+        kw = dict(q_seqlen=jnp.full((1,), q.shape[0], jnp.int32), kv_seqlen=kv_lens)
+        mask_type = mask.PADDING_CAUSAL if causal else mask.PADDING
+    else:
+        mask_type = mask.CAUSAL if causal else mask.NO_MASK
+    result = api.dot_product_attention(q[None], k[None], v[None], scale=scale, mask_type=mask_type, qkv_layout="BTNH",
+                                       return_residual=lse, **kw)
+    if lse:
+        out, stats = result
+        return out[0], stats
+    return result[0], None
+
+
+def _merge(o1, lse1, o2, lse2):
+    """Attention over keys A + B from its parts over A and over B (out [T, H, Dv] f32, natural
+    log-sum-exp [T, H]); a part with lse -inf contributes nothing, whatever its out."""
+    m = jnp.maximum(lse1, lse2)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w1, w2 = jnp.exp(lse1 - m), jnp.exp(lse2 - m)
+    total = w1 + w2
+    o1 = jnp.where((w1 > 0)[..., None], o1, 0.0)
+    o2 = jnp.where((w2 > 0)[..., None], o2, 0.0)
+    return (o1 * w1[..., None] + o2 * w2[..., None]) / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+def cudnn_attention(q, k, v, cu, *, scale, ctx_k=None, ctx_v=None, ctx_lens=None, api="cudnn"):
+    """Prefill attention on cuDNN.
+
+    q, k [T, H, 192], v [T, H, 128] in bf16/fp16; cu int32 [S + 1] (S static; tokens past cu[S]
+    are padding and get zeros when S > 1). With a cached context: ctx_k [C, H, 192],
+    ctx_v [C, H, 128], sequences packed back to back (sequence s at rows sum(ctx_lens[:s]) ...),
+    ctx_lens int32 [S]. Token j of a sequence's chunk sees all its context and chunk tokens
+    0..j. Returns [T, H, 128] in q's dtype; a token that sees nothing gets zeros.
+
+    ``api="cudnn-public"`` (one sequence, no context) calls jax.nn.dot_product_attention with v
+    padded to 192 columns.
+    """
+    T, H, dv = q.shape[0], q.shape[1], v.shape[-1]
+    S = cu.shape[0] - 1
+    context = ctx_k is not None
+    if api == "cudnn-public":
+        if S != 1 or context:
+            raise ValueError("the public jax.nn.dot_product_attention path takes one sequence without cached context")
+        v192 = jnp.pad(v, ((0, 0), (0, 0), (0, q.shape[-1] - dv)))
+        out = jax.nn.dot_product_attention(q[None], k[None], v192[None], scale=scale, is_causal=True, implementation="cudnn")
+        return out[0, ..., :dv]
+    module = private_api()
+    if module is None:
+        raise ValueError(f"jax {jax.__version__}: its private cuDNN attention module is not usable here")
+    call = functools.partial(_call, module, scale=scale, lse=context)
+    packed = S > 1
+    seq, local = _segments(cu, T)
+    if packed:
+        # Packed segments: the layout's ragged offsets count v (and out) in q's head width, so v
+        # travels padded to 192 columns (docs/PREFILL.md); empty segments are left out (-1).
+        def pad(x):
+            return jnp.pad(x, ((0, 0), (0, 0), (0, q.shape[-1] - dv)))
+
+        lens = cu[1:] - cu[:-1]
+        live = lens > 0
+        out, stats = call(q, k, pad(v), causal=True, q_lens=jnp.where(live, lens, -1), kv_lens=jnp.where(live, lens, -1),
+                          q_starts=jnp.where(live, cu[:-1], -1), kv_starts=jnp.where(live, cu[:-1], -1))
+        out = out[..., :dv]
+        real = (seq < S)[:, None, None]
+        out = jnp.where(real, out, 0)
+    else:
+        out, stats = call(q, k, v, causal=True)
+    if not context:
+        return out
+    lse_chunk = _lse_rows(stats, seq, local, live if packed else None)
+    # The chunks over their contexts, no mask.
+    cap = ctx_k.shape[0]
+    ctx_lens = jnp.clip(ctx_lens.astype(jnp.int32), 0, cap)
+    ctx_starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(ctx_lens)[:-1]])
+    if packed:
+        lens = cu[1:] - cu[:-1]
+        both = (lens > 0) & (ctx_lens > 0) & (ctx_starts < cap)
+        kv_lens = jnp.minimum(ctx_lens, cap - jnp.minimum(ctx_starts, cap))
+        ctx_out, ctx_stats = call(q, ctx_k, pad(ctx_v), causal=False, q_lens=jnp.where(both, lens, -1),
+                                  kv_lens=jnp.where(both, kv_lens, -1), q_starts=jnp.where(both, cu[:-1], -1),
+                                  kv_starts=jnp.where(both, ctx_starts, -1))
+        ctx_out = ctx_out[..., :dv]
+        lse_ctx = _lse_rows(ctx_stats, seq, local, both)
+    else:
+        both = ctx_lens > 0
+        ctx_out, ctx_stats = call(q, ctx_k, ctx_v, causal=False, kv_lens=ctx_lens[:1])
+        lse_ctx = _lse_rows(ctx_stats, seq, local, None)
+    seen = jnp.concatenate([both, jnp.zeros(1, bool)])[seq]  # padding tokens: no context
+    lse_ctx = jnp.where(seen[:, None], lse_ctx, -jnp.inf)
+    merged = _merge(ctx_out.astype(F32), lse_ctx, out.astype(F32), lse_chunk)
+    return merged.astype(q.dtype).reshape(T, H, dv)
+
+
+def _lse_rows(stats, seq, local, live):
+    """[T, H] log-sum-exp per token from cuDNN's softmax stats: [1, H, T] for one sequence;
+    [segments, H, T] for packed ones, segment j (the j-th live one) at rows 0..len - 1."""
+    if live is None:
+        return stats[0].T
+    rank = jnp.cumsum(live.astype(jnp.int32)) - 1  # index of each live segment among the live ones
+    seg = jnp.concatenate([rank, jnp.zeros(1, jnp.int32)])[seq]
+    ok = jnp.concatenate([live, jnp.zeros(1, bool)])[seq]
+    rows = stats[jnp.clip(seg, 0, stats.shape[0] - 1)[:, None], jnp.arange(stats.shape[1])[None, :],
+                 jnp.clip(local, 0, stats.shape[2] - 1)[:, None]]
+    return jnp.where(ok[:, None], rows, -jnp.inf)
