@@ -50,10 +50,11 @@ FORMATS = ml.CACHE_FORMATS
 # The quantized twin of a step: the same layer with jax_kimi_mla.reference's ops on the same cache,
 # so the same quantized q, k, v and cache values; only the float rounding of the attention
 # separates them. Measured on the CPU: prefill steps equal bit for bit, decode steps within 0.004
-# (a bf16 rounding of the latent or the output). The CUDA decode attention may differ from the
-# reference by 2^-6 relative on the latent (test_decode_attention's tolerance), hence a wider
-# limit on a GPU (not yet measured there). Attending one token short is off by 0.1-1.3.
-TWIN_RTOL, TWIN_ATOL = 0.0, 0.02 if jax.default_backend() == "cpu" else 0.08
+# (a bf16 rounding of the latent or the output). On the H200 the plain fp8 prefill step differs by
+# up to 0.094 (XLA fuses the reference's quantization into its GEMMs, so a few fp8 codes round the
+# other way; the CUDA decode attention may also differ from the reference by 2^-6 relative), hence
+# a wider limit there. Attending one token short is off by 0.1-1.3 (0.47-1.3 in the mutation test).
+TWIN_RTOL, TWIN_ATOL = 0.0, 0.02 if jax.default_backend() == "cpu" else 0.16
 
 prefill_step = jax.jit(ml.prefill, static_argnames="config", donate_argnums=4)
 decode_step = jax.jit(ml.decode, static_argnames="config", donate_argnums=6)

@@ -191,9 +191,9 @@ def test_merge_of_two_parts_is_attention_over_both():
     k = jax.random.normal(key[1], (A + B, H, 8))
     v = jax.random.normal(key[2], (A + B, H, 3))
 
-    def part(keys, values):
-        s = jnp.einsum("thd,shd->ths", q, keys)
-        return jnp.einsum("ths,shv->thv", jax.nn.softmax(s, -1), values), jax.nn.logsumexp(s, -1)
+    def part(keys, values):  # float32 products in full (a GPU's default matmul rounds to TF32)
+        s = jnp.einsum("thd,shd->ths", q, keys, precision="highest")
+        return jnp.einsum("ths,shv->thv", jax.nn.softmax(s, -1), values, precision="highest"), jax.nn.logsumexp(s, -1)
 
     whole, _ = part(k, v)
     merged = pa._merge(*part(k[:A], v[:A]), *part(k[A:], v[A:]))
