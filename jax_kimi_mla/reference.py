@@ -17,6 +17,16 @@ from .numerics import ds_mla_dequantize, ds_mla_encode, quantize_e4m3, rope
 P = _checks.P
 
 
+def _concat_bits(parts, broadcast=None):
+    """jnp.concatenate(parts, -1) of 16-bit floats (each first broadcast to ``broadcast`` + its
+    last dimension, if given) done on their bit patterns: XLA:CPU canonicalizes bf16 NaNs in float
+    concatenates and broadcasts (payload and quiet bit lost), and the ops copy them exactly."""
+    bits = [jax.lax.bitcast_convert_type(x, jnp.uint16) for x in parts]
+    if broadcast is not None:
+        bits = [jnp.broadcast_to(b, (*broadcast, b.shape[-1])) for b in bits]
+    return jax.lax.bitcast_convert_type(jnp.concatenate(bits, -1), parts[0].dtype)
+
+
 def _rotated_k_pe(k_pe, checked, positions, cos_sin_cache):
     """k_pe as float32 [T, 64], RoPE'd when RoPE is on."""
     x = k_pe.reshape(checked.tokens, _checks.R).astype(jnp.float32)
@@ -64,7 +74,7 @@ def _entry(fmt, kv_c_normed, r32, k_pe, rope, cache_scale_inv=None):
         return ds_mla_encode(kv_c_normed.astype(jnp.float32), _rounded(r32, k_pe, rope, jnp.bfloat16))
     if fmt == "fp8":
         return quantize_e4m3(jnp.concatenate([kv_c_normed.astype(jnp.float32), r32], -1), cache_scale_inv)
-    return jnp.concatenate([kv_c_normed, _rounded(r32, k_pe, rope, kv_c_normed.dtype)], -1)
+    return _concat_bits([kv_c_normed, _rounded(r32, k_pe, rope, kv_c_normed.dtype)])
 
 
 def _prefill(fmt, q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, rope_style):
@@ -76,11 +86,11 @@ def _prefill(fmt, q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, position
     r32 = _rotated_k_pe(a["k_pe"], checked, a["positions"], a["cos_sin_cache"])
     k_pe = a["k_pe"].reshape(T, _checks.R)
     r = _rounded(r32, k_pe, checked.rope, checked.act)
-    k = jnp.concatenate([a["k_nope"], jnp.broadcast_to(r[:, None, :], (T, H, _checks.R))], -1)
+    k = _concat_bits([a["k_nope"], r[:, None, :]], broadcast=(T, H))
     q = a["q"]
     if checked.rope:
         q_pe = rope(q[..., P:].astype(jnp.float32), a["positions"], a["cos_sin_cache"], checked.rope_style)
-        q = jnp.concatenate([q[..., :P], q_pe.astype(checked.act)], -1)
+        q = _concat_bits([q[..., :P], q_pe.astype(checked.act)])
     cache = _insert(a["kv_cache"], _entry(fmt, a["kv_c_normed"], r32, k_pe, checked.rope), a["slot_mapping"])
     return k, q, cache
 
@@ -134,7 +144,7 @@ def fused_mla_decode_q_concat_kv_cache_insert(
     if fmt == "fp8":
         mqa_q = quantize_e4m3(jnp.concatenate([a["ql_nope"].astype(jnp.float32), q_pe32], -1), a["q_scale_inv"])
     else:
-        mqa_q = jnp.concatenate([a["ql_nope"], _rounded(q_pe32, a["q_pe"], checked.rope, checked.act)], -1)
+        mqa_q = _concat_bits([a["ql_nope"], _rounded(q_pe32, a["q_pe"], checked.rope, checked.act)])
     k_pe = a["k_pe"].reshape(checked.tokens, _checks.R)
     cache = _insert(a["kv_cache"], _entry(fmt, a["kv_c_normed"], r32, k_pe, checked.rope, a.get("cache_scale_inv")), a["slot_mapping"])
     return mqa_q, cache

@@ -176,15 +176,7 @@ def test_nonfinite_input(backend, fmt, rope, name, act, kind):
         assert_matches(got, run(jax_kimi_mla, fmt, a, "cpu"), fmt, rope, a["slot_mapping"], f"{backend} handler vs CPU handler")
 
 
-@pytest.mark.parametrize(
-    "act",
-    [
-        pytest.param("bf16", marks=pytest.mark.xfail(JAX_BEFORE_0_11, strict=True, reason=("jax 0.10.2 CPU, not 0.11.2: "
-            "XLA on CPU canonicalizes bf16 NaNs in concatenate (payload and quiet bit lost), so "
-            "the reference's k, mqa_q and cache rows are not bit-exact copies of NaN input"))),
-        "fp16",
-    ],
-)
+@pytest.mark.parametrize("act", ["bf16", "fp16"])
 @pytest.mark.parametrize("fmt", ["prefill_bf16", "decode_bf16"])
 def test_reference_copies_nan_payloads(fmt, act):
     """The spec's "exact copy" holds for the reference too (without RoPE), NaN payloads included."""
