@@ -4,6 +4,7 @@
 #   bash benchmarks/h200.sh [build] [test] [attn-test] [sanitize] [attn-sanitize] [selfcheck]
 #                           [bench] [bench-quick] [attn-bench] [attn-bench-quick] [prefill-test]
 #                           [prefill-bench] [prefill-bench-quick] [serve-h200] [ncu] [attn-ncu]
+#                           [soft-fp8]
 # Logs and a tarball of benchmarks/results go to $OUT (or ./h200-out).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -94,6 +95,14 @@ for s in $stages; do
         stage "attn-ncu-${case// /-}" ncu --clock-control none --kernel-name regex:attention_kernel --launch-skip 2 \
           --launch-count 1 --metrics "$metrics" python3 -P benchmarks/run_once.py attention $case
       done ;;
+    soft-fp8)
+      # The build whose CUDA kernels convert fp8 by bit arithmetic (JAX_KIMI_MLA_SOFTWARE_FP8=ON)
+      # against the CPU handlers, as `test` checks the default (sm_89+ instruction) build: both then
+      # give the CPU handlers' bits. The default build is reinstalled after.
+      stage soft-fp8 bash -c 'CMAKE_ARGS=-DJAX_KIMI_MLA_SOFTWARE_FP8=ON python3 -m pip install --no-build-isolation --no-deps . &&
+        python3 -P -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_nonfinite.py \
+          tests/test_decode_attention.py tests/test_gather_cache.py -k cuda; rc=$?
+        python3 -m pip install --no-build-isolation --no-deps . > /dev/null; exit $rc' ;;
     *) echo "unknown stage $s"; status=1 ;;
   esac
 done

@@ -268,7 +268,7 @@ __device__ __forceinline__ bool has_nan_code(uint32_t codes4) {
   return (nan_code_bits(codes4) & 0x80808080u) != 0;
 }
 
-#if __CUDA_ARCH__ >= 890
+#if JKM_HARDWARE_FP8
 // sm_89+: the hardware converter, one instruction per pair (E4M3 -> f16 is exact, NaN stays NaN).
 __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint16_t codes) {  // first code lowest
   uint32_t d;
@@ -281,7 +281,7 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint16_t codes) {  // first 
 // placement turns them into +-480 instead.
 template <ActType kElem>
 __device__ __forceinline__ constexpr bool placed_keeps_nan() {
-#if __CUDA_ARCH__ >= 890
+#if JKM_HARDWARE_FP8
   return kElem == ActType::kF16;
 #else
   return false;
@@ -292,7 +292,7 @@ __device__ __forceinline__ constexpr bool placed_keeps_nan() {
 // codes are +-480 where placed_keeps_nan is false.
 template <ActType kElem>
 __device__ __forceinline__ uint4 e4m3x8_placed(uint2 codes) {
-#if __CUDA_ARCH__ >= 890
+#if JKM_HARDWARE_FP8
   if constexpr (kElem == ActType::kF16) {
     return make_uint4(e4m3x2_to_f16x2(uint16_t(codes.x)), e4m3x2_to_f16x2(uint16_t(codes.x >> 16)),
                       e4m3x2_to_f16x2(uint16_t(codes.y)), e4m3x2_to_f16x2(uint16_t(codes.y >> 16)));

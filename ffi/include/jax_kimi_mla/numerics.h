@@ -166,12 +166,20 @@ JKM_HD uint32_t f16x2(float lo, float hi) {
 #endif
 }
 
+// The sm_89+ fp8 conversion instructions, unless the build forces the portable bit arithmetic
+// (JAX_KIMI_MLA_SOFTWARE_FP8=ON, which defines JKM_SOFTWARE_FP8: both must give the same bits).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(JKM_SOFTWARE_FP8)
+#define JKM_HARDWARE_FP8 1
+#else
+#define JKM_HARDWARE_FP8 0
+#endif
+
 // Four E4M3 codes of values already multiplied by the scale inverse. On the GPU the hardware
 // pair converter (cvt.rn.satfinite.e4m3x2.f32) rounds and saturates as the reference encoder
 // does, but keeps a NaN's sign: a code is a NaN exactly when its low 7 bits are all ones (adding
 // 1 to them carries into the sign bit), and its sign is cleared to give 0x7F.
 JKM_HD uint32_t e4m3x4(float a, float b, float c, float d) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#if JKM_HARDWARE_FP8
   const uint32_t w = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3) |
                      uint32_t(__nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3)) << 16;
   return w & ~(((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u);
