@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
-from test_docs import README, docstring_examples, example_inputs, python_blocks
+from test_docs import README, SHARDING, docstring_examples, example_inputs, python_blocks
 
 import jax_kimi_mla as kmla
 from jax_kimi_mla import layer as mla
@@ -347,6 +347,21 @@ def test_readme_blocks_copy_nothing(monkeypatch):
             check_no_copies(hlo, caches)
         except AssertionError as e:
             raise AssertionError(f"README {name}: {e}") from None
+
+
+def test_sharding_and_errors_doc_blocks_copy_nothing(monkeypatch):
+    """docs/SHARDING.md's tensor-parallel step (on every CPU device of the tests) and
+    docs/ERRORS.md's checkified step, run as written."""
+    sharding = [(f"docs/SHARDING.md python block {i + 1}", b) for i, b in enumerate(python_blocks(SHARDING.read_text()))]
+    errors = [(f"docs/ERRORS.md python block {i + 1}", b) for i, b in enumerate(python_blocks((ROOT / "docs" / "ERRORS.md").read_text()))]
+    namespaces = {"sharding": {"__name__": "sharding_doc"}, "errors": example_inputs()}
+    calls = run_recorded(monkeypatch, sharding + errors, lambda where: namespaces["sharding" if "SHARDING" in where else "errors"])
+    assert len(calls) >= 2
+    for name, hlo, caches in calls:
+        try:
+            check_no_copies(hlo, caches)
+        except AssertionError as e:
+            raise AssertionError(f"docs {name}: {e}") from None
 
 
 def test_docstring_blocks_copy_nothing(monkeypatch):
