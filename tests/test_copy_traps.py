@@ -120,21 +120,24 @@ def _normal(key, shape, dtype=jnp.bfloat16):
     return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
 
-def prefill_inputs(fmt, rope):
+def prefill_inputs(fmt, rope, padded=False):
+    """Inputs of a prefill call; ``padded``: cache rows padded by 64 bytes (allowed widths)."""
     k = iter(jax.random.split(jax.random.key(1), 8))
     layout = CACHE_FORMATS[fmt]
+    cache_dtype = layout.cache_dtype(jnp.bfloat16)
+    width = layout.width + (64 // jnp.dtype(cache_dtype).itemsize if padded else 0)
     a = dict(
         q=_normal(next(k), (T, H, 192)), k_nope=_normal(next(k), (T, H, 128)), k_pe=_normal(next(k), (T, 64)),
         kv_c_normed=_normal(next(k), (T, 512)), v=_normal(next(k), (T, H, 128)),
-        kv_cache=jnp.zeros((NUM_BLOCKS, BLOCK_SIZE, layout.width), layout.cache_dtype(jnp.bfloat16)),
+        kv_cache=jnp.zeros((NUM_BLOCKS, BLOCK_SIZE, width), cache_dtype),
         slot_mapping=jnp.array([0, 9, -1, 17, 30, 39][:T], jnp.int32),
     )
     rope_kw = dict(positions=jnp.arange(T, dtype=jnp.int32), cos_sin_cache=kmla.make_cos_sin_cache(64)) if rope else {}
     return a, rope_kw
 
 
-def decode_inputs(fmt, rope):
-    a, rope_kw = prefill_inputs(fmt, rope)
+def decode_inputs(fmt, rope, padded=False):
+    a, rope_kw = prefill_inputs(fmt, rope, padded)
     k = iter(jax.random.split(jax.random.key(2), 4))
     a.update(ql_nope=_normal(next(k), (T, H, 512)), q_pe=_normal(next(k), (T, H, 64)))
     fmt_kw = {"fp8": dict(q_scale_inv=jnp.float32(16.0), cache_scale_inv=jnp.float32(16.0)), "fp8_ds_mla": dict(ds_mla=True)}.get(fmt, {})
@@ -172,10 +175,14 @@ def prefill_args(fmt, a):
     return [a[n] for n in names]
 
 
+PADDED = pytest.mark.parametrize("padded", [False, True], ids=["rows", "padded_rows"])
+
+
 @FMT
 @ROPE
-def test_prefill_epilogue_step_copies_nothing(fmt, rope):
-    a, rope_kw = prefill_inputs(fmt, rope)
+@PADDED
+def test_prefill_epilogue_step_copies_nothing(fmt, rope, padded):
+    a, rope_kw = prefill_inputs(fmt, rope, padded)
     hlo = compiled(prefill_epilogue_step(fmt), *prefill_args(fmt, a), **rope_kw)
     check_no_copies(hlo, [a["kv_cache"].shape], [a["q"].shape])
 
@@ -207,9 +214,10 @@ def test_prefill_inside_a_step_copies_nothing(fmt, rope):
 
 @FMT
 @ROPE
-def test_decode_epilogue_step_copies_nothing(fmt, rope):
+@PADDED
+def test_decode_epilogue_step_copies_nothing(fmt, rope, padded):
     """ops.py's module docstring: ``jax.jit(fused_mla_decode_q_concat_kv_cache_insert, donate_argnums=(4,))``."""
-    a, rope_kw, fmt_kw = decode_inputs(fmt, rope)
+    a, rope_kw, fmt_kw = decode_inputs(fmt, rope, padded)
     step = jax.jit(functools.partial(kmla.fused_mla_decode_q_concat_kv_cache_insert, **fmt_kw), donate_argnums=(4,))
     hlo = compiled(step, a["ql_nope"], a["q_pe"], a["kv_c_normed"], a["k_pe"], a["kv_cache"], a["slot_mapping"], **rope_kw)
     check_no_copies(hlo, [a["kv_cache"].shape], [a["ql_nope"].shape])
