@@ -194,8 +194,8 @@ def parts(case: Case, sizes: Sizes, impl: str) -> dict:
 
     @functools.partial(jax.jit, donate_argnums=4)
     def epilogue(q, k_nope, kv_a, kv_c_normed, cache, slots):
-        k, q, cache = jax_kimi_mla.fused_mla_key_concat_kv_cache_insert(q, k_nope, columns(kv_a, L), kv_c_normed, cache, slots)
-        return cache, k, q
+        k, _, cache = jax_kimi_mla.fused_mla_key_concat_kv_cache_insert(q, k_nope, columns(kv_a, L), kv_c_normed, cache, slots)
+        return cache, k  # not the unchanged (NoPE) q: returning an argument from a jit copies it
 
     cache = jnp.zeros((lay["num_blocks"], BLOCK, ENTRY), jnp.bfloat16)
     out["epilogue"] = (epilogue, [bf16(t, h, P + R), bf16(t, h, P), bf16(t, ENTRY), bf16(t, L), cache, jnp.asarray(lay["slots"])], {4: 0})

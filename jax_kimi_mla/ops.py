@@ -10,10 +10,22 @@ In place: every epilogue returns the new cache as an output aliased to the ``kv_
     mqa_q, kv_cache = step(ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping)
 
 Without donation (and in eager calls) XLA copies the cache first: correct, but it moves the
-whole cache. A RoPE'd q is rotated in its own buffer when it is an intermediate of the jitted
-step (q_b_proj's output, the usual case). Donating q as an argument of a jit that returns
-(k, q, kv_cache) does not help: jax pairs a donated argument with the first output of its shape,
-which is k, so XLA copies q. Only rows addressed by a valid slot change; a slot < 0 (padding) or
+whole cache.
+
+No copy of q either: a jitted function cannot return one of its arguments unchanged without
+copying it, and jax gives a donated argument to the *first* output of its shape and dtype. So a
+top-level jit of a prefill epilogue that returns the op's ``(k, q, kv_cache)`` copies q: the
+unchanged q without RoPE, and, with RoPE, the rotated q even when q is donated (the donated q goes
+to k). The recommended patterns (tested for copies in tests/test_copy_traps.py):
+
+- in a model step, make q inside the step (q_b_proj's output), use it there (the attention) and
+  return only what is new (the attention output and the cache): with RoPE, q is rotated in its own
+  buffer;
+- a standalone prefill epilogue step donates q and the cache and returns q first (see the example
+  of :func:`fused_mla_key_concat_kv_cache_insert`): the rotated q stays in the donated buffer, and
+  the unchanged (NoPE) q is handed back with no work at all.
+
+Only rows addressed by a valid slot change; a slot < 0 (padding) or
 >= num_blocks * block_size writes nothing. Positions outside the cos/sin table are clamped.
 Among valid tokens sharing a slot, which one's entry is kept is undefined on the GPU.
 
@@ -101,10 +113,20 @@ def fused_mla_key_concat_kv_cache_insert(q, k_nope, k_pe, kv_c_normed, kv_cache,
       (k [T, H, 192] = [k_nope | r], q, kv_cache) where r = rope(k_pe) or k_pe and the cache row of
       each valid slot holds [kv_c_normed | r]. Without RoPE every output is an exact copy.
 
-    Example::
+    Example: a standalone step with no copy of q or of the cache (q and the cache donated, q
+    returned first, so that jax pairs the donated q with it and not with k; the same with RoPE)::
 
-      k, q, kv_cache = jax.jit(fused_mla_key_concat_kv_cache_insert, donate_argnums=(4,))(
-          q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping)
+      @functools.partial(jax.jit, donate_argnums=(0, 4))
+      def prefill_epilogue(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache):
+          k, q, kv_cache = fused_mla_key_concat_kv_cache_insert(
+              q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions=positions, cos_sin_cache=cos_sin_cache)
+          return q, k, kv_cache
+
+      q, k, kv_cache = prefill_epilogue(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache)
+
+    ``jax.jit(fused_mla_key_concat_kv_cache_insert, donate_argnums=(4,))`` would copy q on every
+    call (it returns q from the top-level jit). In a model step, q is better made and used inside
+    the step, which then returns only the new values and the cache.
     """
     return _prefill(EPILOGUES["prefill_bf16"], q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, rope_style)
 
@@ -115,7 +137,8 @@ def fused_mla_key_concat_ds_mla_insert(q, k_nope, k_pe, kv_c_normed, kv_cache, s
     bytes) and each valid slot's row gets the 656-byte
     entry: 512 E4M3 codes of kv_c_normed in 4 tiles of 128, 4 float32 power-of-two tile scales,
     64 bfloat16 values of r. ``k`` and ``q`` stay in the activation dtype.
-    Read entries back with :func:`jax_kimi_mla.ds_mla_dequantize`.
+    Read entries back with :func:`jax_kimi_mla.ds_mla_dequantize`. Call it as in the example of
+    :func:`fused_mla_key_concat_kv_cache_insert` (q and the cache donated, q returned first).
     """
     return _prefill(EPILOGUES["prefill_fp8_ds_mla"], q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, rope_style)
 
@@ -138,6 +161,9 @@ def fused_mla_qkv_quant_kv_cache_fp8_insert(
       (q_fp8 [T, H, 192], k_fp8 [T, H, 192], v_fp8 [T, H, 128], kv_cache), every value
       E4M3(clamp(x * scale_inv, -448, 448)) rounded to nearest-even from float32 (RoPE'd values
       straight from float32); NaN stays NaN. ``q`` itself is not modified.
+
+    Every output but the cache is new, so nothing to pair: donate the cache (argument 5), e.g.
+    ``jax.jit(functools.partial(fused_mla_qkv_quant_kv_cache_fp8_insert, **rope), donate_argnums=5)``.
     """
     checked, a = _checks.prefill(
         q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, cache_format="fp8", v=v, style=rope_style
