@@ -51,13 +51,7 @@ def _insert(kv_cache, rows, slot_mapping):
     # payloads in rows it does not even address.
     as_bits = {1: jnp.uint8, 2: jnp.uint16}[kv_cache.dtype.itemsize]
     flat = jax.lax.bitcast_convert_type(kv_cache.reshape(num_rows, width), as_bits)
-    bits = jax.lax.bitcast_convert_type(rows, as_bits)
-    # Whole rows where the entry fills them: the column-sliced scatter lets XLA:CPU (jax 0.11)
-    # fuse the bf16 concatenate of the entry before the bitcast, which drops NaN payloads.
-    if rows.shape[-1] == width:
-        flat = flat.at[target].set(bits, mode="drop")
-    else:
-        flat = flat.at[target, : rows.shape[-1]].set(bits, mode="drop")
+    flat = flat.at[target, : rows.shape[-1]].set(jax.lax.bitcast_convert_type(rows, as_bits), mode="drop")
     return jax.lax.bitcast_convert_type(flat, kv_cache.dtype).reshape(kv_cache.shape)
 
 
