@@ -335,6 +335,15 @@ class JitRecorder:
         return call
 
 
+def check_recorded_calls(calls, source: str):
+    """check_no_copies on each recorded (name, hlo, caches) call, the failure naming its source."""
+    for name, hlo, caches in calls:
+        try:
+            check_no_copies(hlo, caches)
+        except AssertionError as e:
+            raise AssertionError(f"{source} {name}: {e}") from None
+
+
 def run_recorded(monkeypatch, blocks, namespace_of):
     recorder = JitRecorder(jax.jit)
     monkeypatch.setattr(jax, "jit", recorder)
@@ -350,11 +359,7 @@ def test_readme_blocks_copy_nothing(monkeypatch):
     blocks = [(f"README.md python block {i + 1}", b) for i, b in enumerate(python_blocks(README.read_text()))]
     calls = run_recorded(monkeypatch, blocks, lambda _: namespace)
     assert {"decode_step", "decode_step_ds_mla", "prefill_step"} <= {name for name, _, _ in calls}
-    for name, hlo, caches in calls:
-        try:
-            check_no_copies(hlo, caches)
-        except AssertionError as e:
-            raise AssertionError(f"README {name}: {e}") from None
+    check_recorded_calls(calls, "README")
 
 
 def test_sharding_and_errors_doc_blocks_copy_nothing(monkeypatch):
@@ -365,11 +370,7 @@ def test_sharding_and_errors_doc_blocks_copy_nothing(monkeypatch):
     namespaces = {"sharding": {"__name__": "sharding_doc"}, "errors": example_inputs()}
     calls = run_recorded(monkeypatch, sharding + errors, lambda where: namespaces["sharding" if "SHARDING" in where else "errors"])
     assert len(calls) >= 2
-    for name, hlo, caches in calls:
-        try:
-            check_no_copies(hlo, caches)
-        except AssertionError as e:
-            raise AssertionError(f"docs {name}: {e}") from None
+    check_recorded_calls(calls, "docs")
 
 
 def test_docstring_blocks_copy_nothing(monkeypatch):
@@ -378,11 +379,7 @@ def test_docstring_blocks_copy_nothing(monkeypatch):
     examples = {where: (block, module_globals) for where, block, module_globals in docstring_examples()}
     calls = run_recorded(monkeypatch, [(w, b) for w, (b, _) in examples.items()], lambda w: dict(examples[w][1]) | example_inputs())
     assert {"prefill_epilogue", "fused_mla_decode_q_concat_kv_cache_insert"} <= {name for name, _, _ in calls}
-    for name, hlo, caches in calls:
-        try:
-            check_no_copies(hlo, caches)
-        except AssertionError as e:
-            raise AssertionError(f"docstring {name}: {e}") from None
+    check_recorded_calls(calls, "docstring")
 
 
 # ---- the detector catches the known traps ----
