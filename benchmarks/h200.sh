@@ -4,7 +4,7 @@
 #   bash benchmarks/h200.sh [build] [test] [attn-test] [sanitize] [attn-sanitize] [selfcheck]
 #                           [bench] [bench-quick] [attn-bench] [attn-bench-quick] [prefill-test]
 #                           [prefill-bench] [prefill-bench-quick] [serve-h200] [ncu] [attn-ncu]
-#                           [soft-fp8]
+#                           [soft-fp8] [wheel]
 # Logs and a tarball of benchmarks/results go to $OUT (or ./h200-out).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -103,6 +103,21 @@ for s in $stages; do
         python3 -P -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_nonfinite.py \
           tests/test_decode_attention.py tests/test_gather_cache.py -k cuda; rc=$?
         python3 -m pip install --no-build-isolation --no-deps . > /dev/null; exit $rc' ;;
+    wheel)
+      # The binary wheel proven on the GPU: built offline by scripts/build_wheel.sh (default
+      # architectures), installed into a fresh venv, and the CUDA tests run from a copy of tests/
+      # outside the source tree. The device has no network: the venv sees python3's jax and pytest
+      # through a .pth, after its own site-packages (so the wheel, not a source install, is imported).
+      stage wheel bash -c 'set -e; work=$(mktemp -d); repo=$PWD
+        JKM_WHEEL_NO_ISOLATION=1 bash scripts/build_wheel.sh "$work/dist"
+        python3 -m venv "$work/venv"
+        python3 -c "import jax, os; print(os.path.dirname(os.path.dirname(jax.__file__)))" \
+          > "$("$work/venv/bin/python" -c "import sysconfig; print(sysconfig.get_path(\"purelib\"))")/device-jax.pth"
+        "$work/venv/bin/pip" install --quiet --no-deps --disable-pip-version-check "$work"/dist/jax_kimi_mla-*.whl
+        cp -r tests "$work/tests"; cd "$work"
+        "$work/venv/bin/python" -c "import jax_kimi_mla as m; assert m.HAS_CUDA_MODULE and \"$work/venv\" in m.__file__, m.__file__; print(\"wheel\", m.__version__, \"from\", m.__file__)"
+        "$work/venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_decode_attention.py \
+          tests/test_gather_cache.py tests/test_nonfinite.py tests/test_padded_rows.py -k cuda' ;;
     *) echo "unknown stage $s"; status=1 ;;
   esac
 done

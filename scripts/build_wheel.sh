@@ -5,6 +5,8 @@
 # installed, and copied as built otherwise.
 #
 #   bash scripts/build_wheel.sh [OUT_DIR]        # default: dist/
+#   JKM_WHEEL_NO_ISOLATION=1 bash scripts/build_wheel.sh   # offline: build with the installed
+#                                                          # scikit-build-core, nanobind and jax
 #
 # Not part of .ci/run's test command; .ci/run calls it to prove that the wheel installs and runs
 # without nvcc and without the source tree.
@@ -18,7 +20,9 @@ echo "build_wheel: $(nvcc --version | tail -n 1); compiling the CUDA module take
 
 raw="$(mktemp -d)"
 trap 'rm -rf "$raw"' EXIT
-JAX_KIMI_MLA_CUDA=ON "$python" -m pip wheel --quiet --no-deps --wheel-dir "$raw" "$repo"
+isolation=()
+[ "${JKM_WHEEL_NO_ISOLATION:-0}" = 1 ] && isolation=(--no-build-isolation)
+JAX_KIMI_MLA_CUDA=ON "$python" -m pip wheel --quiet --no-deps "${isolation[@]}" --wheel-dir "$raw" "$repo"
 mkdir -p "$out"
 if command -v auditwheel >/dev/null 2>&1; then
   auditwheel repair --wheel-dir "$out" "$raw"/jax_kimi_mla-*.whl

@@ -11,15 +11,19 @@
 //      E4M3 q, which always comes with the plain fp8 cache; E4M3 q codes become exact values),
 //      and from there into registers: each warp holds the A fragments of its column half for the
 //      whole split (72-80 registers), so Q is never re-read per tile.
-//    - Cache rows stream through kStages shared stages by TMA bulk copies that complete on one
-//      mbarrier per stage: each token is addressed through its block id, so any block size works,
-//      and tiles i + 1 .. i + kStages - 1 are in flight while tile i is computed. The block ids of
-//      a tile are read kStages tiles ahead and kept as entry addresses in a small table in shared
-//      memory, off the critical path. A masked or out-of-range token reads nothing: its shared
-//      row is zero-filled and its logits are -inf.
-//    - A 16-bit cache lands straight in the MMA layout (rows of 1152 + 16 bytes: the 16-byte skew
-//      puts the 8 rows of every ldmatrix in distinct banks), one bulk copy per row, 2 stages (3
-//      do not fit).
+//    - Cache rows stream through 3 shared stages by TMA copies that complete on one mbarrier per
+//      stage: each token is addressed through its block id, so any block size works, and tiles
+//      i + 1, i + 2 are in flight while tile i is computed. The cache rows of a tile's tokens are
+//      looked up 3 tiles ahead and kept in a small table in shared memory, off the critical path.
+//      A masked or out-of-range token reads nothing (or what a box brings is overwritten): its
+//      shared row is zero-filled and its logits are -inf.
+//    - A 16-bit cache lands by 2D tensor-map boxes (host-built TileMaps) in nine 64-column chunks
+//      of 64 rows x 128 bytes, 128-byte swizzled, so that ldmatrix reads it conflict-free: 9
+//      boxes of 64 rows when the tile's 64 rows are consecutive in the cache, else 9 boxes of 16
+//      rows per 16-token group of consecutive rows (block sizes that are multiples of 16), plain
+//      loads for any other group. The number of copies had bounded the tile when each row was
+//      its own copy (64 per tile). The Q tile lives in the third stage until the first tile lands
+//      there (three 72 KB stages fit only so).
 //    - A plain fp8 or fp8_ds_mla cache lands raw (rows as in the cache, so a run of consecutive
 //      rows is one bulk copy), 3 stages, and is never converted by a pass of its own: QK^T reads
 //      the raw codes into registers with 16-byte shared loads (qk_tile_raw; the K columns a lane
@@ -66,15 +70,17 @@
 // do not are left out of the P.V MMA (0 * NaN would reach the rows that do not see them) and
 // added in float32 to the rows that see them.
 //
-// Shared memory per CTA (1 CTA per SM): bf16/f16 cache 178,464 B (2 stages), plain fp8 206,624 B
-// (3 raw stages + V tile), fp8_ds_mla 221,984 B. That fits sm_90 (232,448 B per block); the host
+// Shared memory per CTA (1 CTA per SM): bf16/f16 cache 232,000 B (3 swizzled stages, Q in the
+// last), plain fp8 206,656 B (3 raw stages + Q + V tile), fp8_ds_mla 222,016 B. That fits sm_90 (232,448 B per block); the host
 // refuses GPUs below sm_90 (A100: 163 KB, and no TMA) with an error naming the reference.
 //
 // History and measurements (H200): docs/DECODE_ATTENTION.md. At H = 12, B = 64, context 16k:
-// bf16 389 us (73% of the copy ceiling), plain fp8 323 us (44%), fp8_ds_mla 384 us (42%). bf16 is
-// bound by the latency of a tile (about 3 us, the same for one CTA alone), the 1-byte formats by
-// the instructions of the conversion. The split count is the caller's choice: one CTA per SM, so
+// bf16 326 us (87% of the copy ceiling), plain fp8 319 us (44%), fp8_ds_mla 384 us (42%). The
+// 1-byte formats are bound by the latency of a tile's chain of phases (about 2.6 us per tile)
+// and the instructions of the conversion. The split count is the caller's choice: one CTA per SM, so
 // num_splits * ceil(S_q*H / 16) * B should reach the SM count.
+#include <cuda.h>  // CUtensorMap (the driver is reached through the runtime: no link to libcuda)
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -100,53 +106,57 @@ constexpr int kColsPerWarp = kLatent / kWarps;        // 64: a warp's share of t
 constexpr int kOutBlocks = kColsPerWarp / 8;          // 8 n-blocks of 8 output columns
 constexpr int kQkSteps = kEntry / 16;                 // 36 k-steps of QK^T
 constexpr int kPvSteps = kTileTokens / 16;            // 4 k-steps of P.V
-constexpr int kRowBytes = 2 * kEntry + 16;  // a 16-bit tile row in shared memory, skewed by 16 B
+constexpr int kRowBytes = 2 * kEntry + 16;  // a query row in shared memory, skewed by 16 B (ldmatrix)
 constexpr int kScoreStride = kTileTokens + 8;  // floats per logit row: float2 accesses conflict-free
+constexpr int kChunkBytes = kTileTokens * 128;  // a swizzled 16-bit tile: 64 rows of one 64-column chunk
+constexpr int kBoxRows = 16;                    // the smaller TMA box: rows of a 16-token group
 constexpr int64_t kMaxGridYZ = 65535;
 constexpr int kCombineWarps = 8;
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 static_assert(kColumnHalves == 2 && kTokensPerGroup == 16 && kOutBlocks % 2 == 0,
               "a warp's logits are two n-blocks of one column half");
 
-// Where everything lives in dynamic shared memory (byte offsets, all multiples of 16).
+// Where everything lives in dynamic shared memory (byte offsets, all multiples of 16; the stages
+// first, at the 1024-byte-aligned start, as the 128-byte swizzle of the TMA boxes needs).
 template <CacheFormat kFormat>
 struct Layout {
   static constexpr bool kConverts = kFormat != CacheFormat::kBf16;
   static constexpr int kEntryBytes = kFormat == CacheFormat::kBf16   ? 2 * kEntry
                                      : kFormat == CacheFormat::kFp8 ? kEntry
                                                                     : kDsMlaEntryBytes;
-  // A 16-bit cache row lands in the MMA layout itself (skewed rows: one bulk copy per row). A
-  // 1-byte row lands as it is in the cache, so that a run of consecutive rows is one bulk copy
-  // (the number of bulk copies, not their bytes, bounded the first TMA version): plain fp8's 576
-  // is 64 mod 128, so the 8 lanes of a 16-byte shared load (quad columns 16c of tokens g, g + 1)
-  // hit 32 distinct banks; ds_mla's 656 costs a 2-way conflict on those loads.
-  static constexpr int kRawRowBytes = !kConverts                       ? kRowBytes
-                                      : kFormat == CacheFormat::kFp8 ? kEntry
-                                                                     : kDsMlaEntryBytes;
-  static constexpr int kRawTileBytes = kTileTokens * kRawRowBytes;
-  // Tiles in shared memory: kStages - 1 in flight while one is computed. Three 74 KB bf16 stages
-  // do not fit beside Q; three 1-byte stages do, and keep 74-84 KB in flight, as bf16's one does.
-  static constexpr int kStages = kConverts ? 3 : 2;
-  // The V tile of P.V: the raw tile itself for a 16-bit cache; for a 1-byte cache the first 512
-  // columns converted by QK^T (rows of 1024 + 16 bytes, ldmatrix conflict-free as kRowBytes).
-  static constexpr int kVRowBytes = kConverts ? 2 * kLatent + 16 : kRowBytes;
-  static constexpr int kQ = 0;                                        // [16][kRowBytes]
+  // A 16-bit tile lands by 2D tensor-map TMA boxes in nine 64-column chunks of 64 rows x 128
+  // bytes, the 16-byte pieces of row r at piece ^ (r % 8) (SWIZZLE_128B): ldmatrix reads it
+  // conflict-free, and a 64-token tile is 9 copies (36 with 16-row boxes) instead of 64 row
+  // copies, whose number had bounded the tile. A 1-byte row lands as it is in the cache, so that
+  // a run of consecutive rows is one bulk copy: plain fp8's 576 is 64 mod 128, so the 8 lanes of
+  // a 16-byte shared load (quad columns 16c of tokens g, g + 1) hit 32 distinct banks; ds_mla's
+  // 656 costs a 2-way conflict on those loads.
+  static constexpr bool kSwizzled = !kConverts;
+  static constexpr int kRawTileBytes = kSwizzled ? kEntry / 64 * kChunkBytes : kTileTokens * kEntryBytes;
+  // Tiles in shared memory: kStages - 1 in flight while one is computed.
+  static constexpr int kStages = 3;
+  // The V tile of P.V: the swizzled tile itself for a 16-bit cache; for a 1-byte cache the first
+  // 512 columns converted by QK^T (rows of 1024 + 16 bytes: the 16-byte skew puts the 8 rows of
+  // every ldmatrix in distinct banks).
+  static constexpr int kVRowBytes = 2 * kLatent + 16;
   // The first QK^T k-step of column half 1. The 1-byte formats split at a 64-column block, 4 | 5,
   // so that each half converts (and writes to the V tile) four latent blocks.
   static constexpr int kHalfStep = kConverts ? 16 : kQkSteps / 2;
   static constexpr int kQSteps = kHalfStep > kQkSteps - kHalfStep ? kHalfStep : kQkSteps - kHalfStep;
-  static constexpr int kScores = kQ + kTileRows * kRowBytes;  // float [half][16][kScoreStride]
-  static constexpr int kEntries = kScores + kColumnHalves * kTileRows * kScoreStride * 4;  // [kStages][64]
-  static constexpr int kBarriers = kEntries + kStages * kTileTokens * 8;  // uint64 [kStages], 32 B
-  static constexpr int kRaw = kBarriers + 32;                          // [kStages][kRawTileBytes]
-  static constexpr int kVTile = kRaw + kStages * kRawTileBytes;        // [64][kVRowBytes] (1-byte)
+  static constexpr int kRaw = 0;  // [kStages][kRawTileBytes]
+  // The query tile [16][kRowBytes] is read into registers once, before the first tile lands: a
+  // 16-bit cache puts it in the last stage (three 72 KB stages fit only so).
+  static constexpr int kQ = kRaw + (kSwizzled ? kStages - 1 : kStages) * kRawTileBytes;
+  static constexpr int kScores = kSwizzled ? kRaw + kStages * kRawTileBytes
+                                           : kQ + kTileRows * kRowBytes;  // float [half][16][kScoreStride]
+  static constexpr int kEntries = kScores + kColumnHalves * kTileRows * kScoreStride * 4;  // int64 [kStages][64]
+  static constexpr int kZeroRows = kEntries + kStages * kTileTokens * 8;  // uint64 [kStages] (16-bit)
+  static constexpr int kBarriers = kZeroRows + 32;                         // uint64 [kStages], 32 B
+  static constexpr int kVTile = kBarriers + 32;                            // [64][kVRowBytes] (1-byte)
   static constexpr int kBytes = kVTile + (kConverts ? kTileTokens * kVRowBytes : 0);
-  static_assert(kEntryBytes % 16 == 0 && kRawRowBytes % 16 == 0 && kScores % 16 == 0 &&
-                kEntries % 16 == 0 && kStages * 8 <= 32 && kRaw % 16 == 0 && kVTile % 16 == 0 && kVRowBytes % 16 == 0);
-  // 1-byte rows land unpadded, so that the rows of consecutive tokens of a block land with one
-  // bulk copy.
-  static constexpr bool kRunCopies = kRawRowBytes == kEntryBytes;
-  static_assert(!kConverts || kRunCopies);
+  static_assert(kEntryBytes % 16 == 0 && kRawTileBytes % 1024 == 0 && kScores % 16 == 0 &&
+                kEntries % 16 == 0 && kStages * 8 <= 32 && kQ % 16 == 0 && kVTile % 16 == 0);
+  static_assert(!kSwizzled || kTileRows * kRowBytes <= kRawTileBytes, "Q fits in the last stage");
   static_assert(kBytes <= 232448, "more than sm_90's 227 KB of shared memory per block");
   static_assert(kThreads >= kStages * kTileTokens, "the prologue gives one thread to each token");
 };
@@ -424,23 +434,22 @@ struct Work {
   int64_t b, row0, first, load_end, n_tiles;
 };
 
-// The cache entry of token `token` of tile `tile`, or null: masked, past the loaded range, or no
-// such tile.
-__device__ __forceinline__ const uint8_t* tile_token_entry(const DecodeAttention& a, const Work& w,
-                                                           int64_t tile, int token) {
+// The cache row of token `token` of tile `tile`, or -1: masked, past the loaded range, or no such
+// tile.
+__device__ __forceinline__ int64_t tile_token_row(const DecodeAttention& a, const Work& w, int64_t tile,
+                                                  int token) {
   const int64_t t = w.first + tile * kTileTokens + token;
-  const int64_t row = tile < w.n_tiles && t < w.load_end ? a.token_row(w.b, t) : -1;
-  return row >= 0 ? a.cache + row * a.row_bytes : nullptr;
+  return tile < w.n_tiles && t < w.load_end ? a.token_row(w.b, t) : -1;
 }
 
 // ---- sm_90: bulk copies (TMA) completing on an mbarrier ----
 //
-// A tile's 64 rows land with one bulk copy each, issued by the thread of that token (threads
-// 0-63); each of those threads arrives once on the stage's mbarrier (count 64), announcing its
-// row's bytes, so the phase completes when all 64 rows have landed. Compared with 16-byte
-// cp.async (144 warp instructions per bf16 tile, the MIO queue full), this is one instruction
-// per row. The host launches the kernel on sm_90+ only (it also needs 173-231 KB of shared
-// memory); for older architectures these compile to traps.
+// A stage's mbarrier completes a phase when its issuing threads have all arrived (each once,
+// announcing the bytes of its copies) and those bytes have landed. 1-byte tiles: threads 0-63,
+// one per token, each run of consecutive rows one bulk copy (the number of copies, not their
+// bytes, bounded a tile). 16-bit tiles: warp 0 alone, with 2D tensor-map boxes (TileMaps). The
+// host launches the kernel on sm_90+ only (it also needs 206-227 KB of shared memory); for older
+// architectures these compile to traps.
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 #define SM90_ASM(...) asm volatile(__VA_ARGS__)
@@ -481,38 +490,127 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
            ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar))
            : "memory");
 }
+// The box of `map` at element column `col`, cache row `row` (rows past the cache land as zeros).
+__device__ __forceinline__ void box_copy(void* dst, const CUtensorMap& map, int col, int row, uint64_t* bar) {
+  SM90_ASM("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+           ::"r"(smem_addr(dst)), "l"(reinterpret_cast<uint64_t>(&map)), "r"(col), "r"(row), "r"(smem_addr(bar))
+           : "memory");
+}
 
-// Thread `token` (< 64) issues its share of a tile: its row (kRunCopies: the run of rows of
-// consecutive tokens of its warp whose entries are consecutive, if it starts one) with a bulk
-// copy, or, for a masked token (null entry), zeros. Each of the 64 threads arrives once.
+// The 16-bit cache as 2D tensors of 576 columns x (num_blocks * block_size) rows (row stride
+// row_bytes, so padded rows too), read in 64-column boxes of 64 rows (a whole tile of consecutive
+// rows) or of 16 rows (a token group), 128-byte swizzled. Built by the host per call; unused (and
+// zero) for the 1-byte formats.
+struct TileMaps {
+  CUtensorMap tile, group;
+};
+
+// Byte offset of 16-byte piece `piece` (of 72) of row `row` in a swizzled 16-bit tile.
+__device__ __forceinline__ int swizzled_offset(int row, int piece) {
+  return (piece >> 3) * kChunkBytes + row * 128 + (((piece & 7) ^ (row & 7)) << 4);
+}
+
+// Thread `token` (< 64) issues its share of a 1-byte tile: the run of rows of consecutive tokens
+// of its warp in consecutive cache rows, if it starts one, with one bulk copy; or, for a masked
+// token (row -1), zeros. Each of the 64 threads arrives once.
 template <CacheFormat kFormat>
-__device__ __forceinline__ void issue_tile(const uint8_t* entry, uint8_t* raw, uint64_t* bar) {
+__device__ __forceinline__ void issue_raw_tile(const DecodeAttention& a, int64_t row, uint8_t* raw,
+                                               uint64_t* bar) {
   using L = Layout<kFormat>;
-  uint8_t* dst = raw + threadIdx.x * L::kRawRowBytes;
-  uint32_t bytes = entry != nullptr ? L::kEntryBytes : 0;
-  if constexpr (L::kRunCopies) {
-    const int lane = int(threadIdx.x) % 32;
-    const auto prev = reinterpret_cast<const uint8_t*>(
-        __shfl_up_sync(0xFFFFFFFFu, reinterpret_cast<unsigned long long>(entry), 1));
-    const bool continues = lane > 0 && entry != nullptr && prev != nullptr && prev + L::kEntryBytes == entry;
-    const uint32_t breaks = __ballot_sync(0xFFFFFFFFu, !continues);
-    const uint32_t later = breaks & ~((2u << lane) - 1u);  // breaks past this lane (lane 31: none)
-    const int run_end = later != 0 ? __ffs(int(later)) - 1 : 32;
-    if (continues) bytes = 0;  // copied by the run's first thread
-    else if (entry != nullptr) bytes = uint32_t(run_end - lane) * L::kEntryBytes;
-  }
-  if (bytes != 0) {
+  uint8_t* dst = raw + threadIdx.x * L::kEntryBytes;
+  const int lane = int(threadIdx.x) % 32;
+  // Padded rows are not contiguous entries: each is its own copy.
+  const int64_t prev = __shfl_up_sync(0xFFFFFFFFu, row, 1);
+  const bool continues = lane > 0 && row >= 0 && prev >= 0 && prev + 1 == row && a.row_bytes == L::kEntryBytes;
+  const uint32_t breaks = __ballot_sync(0xFFFFFFFFu, !continues);
+  const uint32_t later = breaks & ~((2u << lane) - 1u);  // breaks past this lane (lane 31: none)
+  const int run_end = later != 0 ? __ffs(int(later)) - 1 : 32;
+  if (row >= 0 && !continues) {
+    const uint32_t bytes = uint32_t(run_end - lane) * L::kEntryBytes;
     mbarrier_arrive_expect_bytes(bar, bytes);
-    bulk_copy(dst, entry, bytes, bar);
+    bulk_copy(dst, a.cache + row * a.row_bytes, bytes, bar);
     return;
   }
-  if (entry == nullptr) {
+  if (row < 0) {
 #pragma unroll
     for (int i = 0; i < L::kEntryBytes / 16; ++i)
       *reinterpret_cast<uint4*>(dst + 16 * i) = make_uint4(0, 0, 0, 0);
     fence_proxy_async();  // before a later bulk copy (of any thread) to these bytes
   }
-  mbarrier_arrive(bar);
+  mbarrier_arrive(bar);  // a continuing row: copied by its run's first thread
+}
+
+// Warp 0 issues a 16-bit tile (lane l: tokens l and l + 32; rows[t] the cache row of token t or
+// -1). A tile of 64 consecutive rows is 9 boxes of 64 rows (lanes 0-8, a chunk each). Otherwise a
+// 16-token group whose live tokens are a run of consecutive rows from its first token is 9 boxes
+// of 16 rows; a group with any other live pattern (a block size below 16, masked block ids in the
+// middle) is read with plain loads by the whole warp, before the arrivals. The rows of masked
+// tokens are left to zero_rows: a box lands whatever rows follow a run (garbage, NaN), and the
+// CTA zeroes them once the tile has landed, before any warp reads it. Each lane arrives once.
+__device__ void issue_swizzled_tile(const DecodeAttention& a, const TileMaps& maps, const int64_t* rows,
+                                    uint8_t* stage, uint64_t* bar, uint64_t* zero_rows) {
+  const int lane = int(threadIdx.x);
+  uint64_t live = 0, continues = 0;  // bit t: token t has a row; its row follows token t - 1's
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int t = lane + 32 * h;
+    const int64_t row = rows[t], prev = t > 0 ? rows[t - 1] : -1;
+    live |= uint64_t(__ballot_sync(0xFFFFFFFFu, row >= 0)) << (32 * h);
+    continues |= uint64_t(__ballot_sync(0xFFFFFFFFu, row >= 0 && prev >= 0 && prev + 1 == row)) << (32 * h);
+  }
+  const bool whole = live == ~0ull && (continues | 1ull) == ~0ull;
+  uint32_t boxed = 0, loaded = 0;  // groups read by boxes, by plain loads
+#pragma unroll
+  for (int q = 0; q < kTileTokens / kBoxRows; ++q) {
+    const uint64_t first = 1ull << (kBoxRows * q), group = (first << kBoxRows) - first;
+    if ((live & group) == 0) continue;
+    if ((live & first) && (live & group & ~first & ~continues) == 0) boxed |= 1u << q;
+    else loaded |= 1u << q;
+  }
+  if (!whole) {
+    for (uint32_t m = loaded; m != 0; m &= m - 1) {  // rare: every live row, 16 bytes per lane
+      const int q = __ffs(int(m)) - 1;
+      for (int i = lane; i < kBoxRows * kEntry / 8; i += 32) {
+        const int t = kBoxRows * q + i / (kEntry / 8), piece = i % (kEntry / 8);
+        if (rows[t] >= 0)
+          *reinterpret_cast<uint4*>(stage + swizzled_offset(t, piece)) =
+              __ldg(reinterpret_cast<const uint4*>(a.cache + rows[t] * a.row_bytes) + piece);
+      }
+    }
+    if (loaded != 0) fence_proxy_async();  // before a later box lands on these bytes
+  }
+  if (lane == 0) *zero_rows = ~live;
+  constexpr int kChunks = kEntry / 64;
+  if (lane < kChunks) {
+    uint8_t* chunk = stage + lane * kChunkBytes;
+    if (whole) {
+      mbarrier_arrive_expect_bytes(bar, kChunkBytes);
+      box_copy(chunk, maps.tile, 64 * lane, int(rows[0]), bar);
+    } else {
+      mbarrier_arrive_expect_bytes(bar, uint32_t(__popc(boxed)) * kBoxRows * 128);
+      for (uint32_t m = boxed; m != 0; m &= m - 1) {
+        const int q = __ffs(int(m)) - 1;
+        box_copy(chunk + q * kBoxRows * 128, maps.group, 64 * lane, int(rows[kBoxRows * q]), bar);
+      }
+    }
+  } else {
+    mbarrier_arrive(bar);
+  }
+}
+
+// After a 16-bit tile has landed: zero the rows of its masked tokens (every thread a share of
+// their 128-byte chunk rows), before the barrier that lets the warps read it.
+__device__ __forceinline__ void zero_masked_rows(uint64_t mask, uint8_t* stage) {
+  if (mask == 0) return;
+  for (int i = int(threadIdx.x); i < kTileTokens * (kEntry / 64); i += kThreads) {
+    const int t = i % kTileTokens, chunk = i / kTileTokens;
+    if ((mask >> t) & 1) {
+      uint4* dst = reinterpret_cast<uint4*>(stage + chunk * kChunkBytes + t * 128);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) dst[j] = make_uint4(0, 0, 0, 0);
+    }
+  }
+  fence_proxy_async();  // before a later box lands on these bytes
 }
 
 // This thread's place in the MMA fragments and the lengths its two rows see.
@@ -535,18 +633,23 @@ __device__ __forceinline__ void load_q_fragments(const Lane& t, const uint8_t* q
 }
 
 // Partial QK^T of the 16 rows x this warp's 16 tokens over k-steps [kFirst, kFirst + kCount) of
-// a 16-bit tile: acc[n][k % 2] for n-block n (tokens +8n); four independent chains.
+// a swizzled 16-bit tile: acc[n][k % 2] for n-block n (tokens +8n); four independent chains.
 template <ActType kElem, int kFirst, int kCount, int kQSteps>
 __device__ __forceinline__ void qk_tile(const Lane& t, const uint32_t (&q)[kQSteps][4],
                                         const uint8_t* kv, float (&acc)[2][2][4]) {
   // B: matrices (tokens +0-7 | +8-15) x (k 0-7 | 8-15): b0, b1 of n-block 0, then of n-block 1.
-  const uint32_t k_addr = smem_addr(kv) +
-                          (t.group * kTokensPerGroup + (t.lane & 7) + ((t.lane >> 4) & 1) * 8) * kRowBytes +
-                          ((t.lane >> 3) & 1) * 16 + kFirst * 32;
+  // k-step s reads pieces 2s, 2s + 1 of its tokens: chunk s / 4, piece 2 (s % 4) + (0 | 1),
+  // swizzled by the row's low bits, which are lane % 8.
+  const int row = t.group * kTokensPerGroup + (t.lane & 7) + ((t.lane >> 4) & 1) * 8;
+  const uint32_t row_addr = smem_addr(kv) + row * 128;
+  uint32_t piece[4];
+#pragma unroll
+  for (int m = 0; m < 4; ++m) piece[m] = uint32_t((2 * m + ((t.lane >> 3) & 1)) ^ (t.lane & 7)) << 4;
 #pragma unroll
   for (int k = 0; k < kCount; ++k) {
+    const int s = kFirst + k;
     uint32_t kb[4];
-    ldmatrix_x4(kb, k_addr + k * 32);
+    ldmatrix_x4(kb, row_addr + (s / 4) * kChunkBytes + piece[s % 4]);
     mma_16816<kElem>(acc[0][k & 1], q[k], kb[0], kb[1]);
     mma_16816<kElem>(acc[1][k & 1], q[k], kb[2], kb[3]);
   }
@@ -574,7 +677,7 @@ __device__ __forceinline__ void qk_tile_raw(const Lane& t, const uint32_t (&q)[k
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
     const int token = t.group * kTokensPerGroup + 8 * n + t.g;
-    row[n] = raw + token * L::kRawRowBytes;
+    row[n] = raw + token * L::kEntryBytes;
     v_row[n] = v_tile + token * L::kVRowBytes;
     if constexpr (kDsMla) {  // exact for powers of 2
       const float4 s = *reinterpret_cast<const float4*>(row[n] + kDsMlaScaleOffset);
@@ -631,12 +734,12 @@ __device__ __forceinline__ void qk_tile_raw(const Lane& t, const uint32_t (&q)[k
 // 4i..4i + 3 of nan_lanes[n] flag the n-block's token i (qk_tile_raw).
 __device__ __forceinline__ void write_logits(const Lane& t, const float (&acc)[2][2][4],
                                              const uint32_t (&nan_lanes)[2],
-                                             const uint8_t* const* entries, int64_t tile_first,
+                                             const int64_t* rows, int64_t tile_first,
                                              float logit_scale, float* scores) {
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
     const int token = t.group * kTokensPerGroup + 8 * n + 2 * t.c;
-    const bool loaded[2] = {entries[token] != nullptr, entries[token + 1] != nullptr};
+    const bool loaded[2] = {rows[token] >= 0, rows[token + 1] >= 0};
     const bool nan[2] = {((nan_lanes[n] >> (8 * t.c)) & 0xFu) != 0,
                          ((nan_lanes[n] >> (8 * t.c + 4)) & 0xFu) != 0};
 #pragma unroll
@@ -723,18 +826,27 @@ __device__ __forceinline__ void softmax_tile(const Lane& t, const float* scores,
   }
 }
 
+// The V tile of P.V: the swizzled 16-bit tile itself, or a 1-byte format's converted tile of
+// kVRow-byte rows. Byte offset of 16-byte piece `piece` (of the 64 latent pieces) of token `row`;
+// a row 8 tokens further is 8 * kRowStride bytes further (the swizzle depends on row % 8 only).
+template <bool kSwizzled, int kVRow>
+struct VTile {
+  static constexpr int kRowStride = kSwizzled ? 128 : kVRow;
+  static __device__ __forceinline__ int offset(int row, int piece) {
+    return kSwizzled ? swizzled_offset(row, piece) : row * kVRow + piece * 16;
+  }
+};
+
 // Tokens [lo, hi) of the tile (tile-relative) are seen by some rows of the CTA and not by others.
 // Their values are added here, in float32, to the rows that see them (p rounded as the MMA would
 // round it), then zeroed in this warp's columns of the V tile so that the MMA adds nothing for
-// them (each warp reads only its own columns of V after the logits are complete). V rows are
-// kVRow bytes apart.
-template <ActType kElem, int kVRow>
+// them (each warp reads only its own columns of V after the logits are complete).
+template <ActType kElem, typename V>
 __device__ void add_partly_seen(const Lane& t, int lo, int hi, int64_t tile_first,
                                 const float* scores, const float (&offset)[2], uint8_t* kv,
                                 float (&out)[kOutBlocks][4]) {
+  constexpr int kPieces = kColsPerWarp / 8;  // this warp's 16-byte pieces of a row
   for (int token = lo; token < hi; ++token) {
-    const uint16_t* v =
-        reinterpret_cast<const uint16_t*>(kv + token * kVRow) + t.warp * kColsPerWarp;
     bool seen[2];
     float p[2];
 #pragma unroll
@@ -746,7 +858,8 @@ __device__ void add_partly_seen(const Lane& t, int lo, int hi, int64_t tile_firs
     }
 #pragma unroll
     for (int n = 0; n < kOutBlocks; ++n) {
-      const uint32_t pair = *reinterpret_cast<const uint32_t*>(v + 8 * n + 2 * t.c);
+      const uint32_t pair =
+          *reinterpret_cast<const uint32_t*>(kv + V::offset(token, t.warp * kPieces + n) + 4 * t.c);
       const float x[2] = {elem_to_f32<kElem>(uint16_t(pair)), elem_to_f32<kElem>(uint16_t(pair >> 16))};
 #pragma unroll
       for (int h = 0; h < 2; ++h)
@@ -757,26 +870,29 @@ __device__ void add_partly_seen(const Lane& t, int lo, int hi, int64_t tile_firs
     }
   }
   __syncwarp();
+  static_assert(kPieces * 4 == 32, "a lane zeroes 4 bytes of the warp's columns");
   for (int token = lo; token < hi; ++token)
-    for (int i = t.lane; i < kColsPerWarp / 2; i += 32)  // 4 bytes each
-      *reinterpret_cast<uint32_t*>(kv + token * kVRow + t.warp * kColsPerWarp * 2 + 4 * i) = 0;
+    *reinterpret_cast<uint32_t*>(kv + V::offset(token, t.warp * kPieces + t.lane / 4) + 4 * (t.lane % 4)) = 0;
   __syncwarp();
 }
 
-// out[16 x this warp's 64 columns] += P[16 x 64] V[64 x 64], V rows kVRow bytes apart.
-template <ActType kElem, int kVRow>
+// out[16 x this warp's 64 columns] += P[16 x 64] V[64 x 64].
+template <ActType kElem, typename V>
 __device__ __forceinline__ void pv_accumulate(const Lane& t, const uint32_t (&p)[kPvSteps][4],
                                               const uint8_t* kv, float (&out)[kOutBlocks][4]) {
   // Transposed matrices (tokens 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15) of each
   // 16-token x 16-column block: b0, b1 of n-block 2j, then of n-block 2j + 1.
-  const uint32_t v_addr = smem_addr(kv) + ((t.lane & 7) + ((t.lane >> 3) & 1) * 8) * kVRow +
-                          (t.warp * kColsPerWarp + (t.lane >> 4) * 8) * 2;
+  const int row = (t.lane & 7) + ((t.lane >> 3) & 1) * 8;
+  uint32_t v_addr[kOutBlocks / 2];
+#pragma unroll
+  for (int j = 0; j < kOutBlocks / 2; ++j)
+    v_addr[j] = smem_addr(kv) + V::offset(row, t.warp * (kColsPerWarp / 8) + 2 * j + (t.lane >> 4));
 #pragma unroll
   for (int k = 0; k < kPvSteps; ++k)
 #pragma unroll
     for (int j = 0; j < kOutBlocks / 2; ++j) {
       uint32_t vb[4];
-      ldmatrix_x4_trans(vb, v_addr + k * 16 * kVRow + j * 32);
+      ldmatrix_x4_trans(vb, v_addr[j] + k * 16 * V::kRowStride);
       mma_16816<kElem>(out[2 * j], p[k], vb[0], vb[1]);
       mma_16816<kElem>(out[2 * j + 1], p[k], vb[2], vb[3]);
     }
@@ -822,8 +938,10 @@ __device__ __forceinline__ void write_rows(const DecodeAttention& a, const Work&
 
 // One CTA's work for sequence b. Block-uniform control flow throughout (barriers inside).
 template <CacheFormat kFormat, ActType kElem>
-__device__ void attend(const DecodeAttention& a, int64_t b, const Scales& scales, uint8_t* smem) {
+__device__ void attend(const DecodeAttention& a, const TileMaps& maps, int64_t b, const Scales& scales,
+                       uint8_t* smem) {
   using L = Layout<kFormat>;
+  using V = VTile<L::kSwizzled, L::kVRowBytes>;
   const int split = int(blockIdx.x);
   const int64_t rows = a.rows(), len = a.context_len(b);
   Work w;
@@ -852,19 +970,31 @@ __device__ void attend(const DecodeAttention& a, int64_t b, const Scales& scales
   constexpr int kStages = L::kStages;
   uint8_t* q_tile = smem + L::kQ;
   float* scores = reinterpret_cast<float*>(smem + L::kScores);
-  // [tile % kStages][token]
-  const uint8_t** entries = reinterpret_cast<const uint8_t**>(smem + L::kEntries);
+  int64_t* tile_rows = reinterpret_cast<int64_t*>(smem + L::kEntries);  // [tile % kStages][token]
   uint8_t* raw = smem + L::kRaw;
+  uint64_t* zero_rows = reinterpret_cast<uint64_t*>(smem + L::kZeroRows);   // [kStages] (16-bit)
   uint64_t* stage_full = reinterpret_cast<uint64_t*>(smem + L::kBarriers);  // [kStages]
+  // The tile whose rows are in slot s goes to stage s: warp 0 issues a swizzled tile, threads 0-63
+  // a raw one; they are the arrivals the stage's mbarrier counts.
+  const auto issue = [&](int s) {
+    uint8_t* stage = raw + s * L::kRawTileBytes;
+    if constexpr (L::kSwizzled) {
+      if (t.warp == 0) issue_swizzled_tile(a, maps, tile_rows + s * kTileTokens, stage, stage_full + s, zero_rows + s);
+    } else {
+      if (threadIdx.x < kTileTokens)
+        issue_raw_tile<kFormat>(a, tile_rows[s * kTileTokens + threadIdx.x], stage, stage_full + s);
+    }
+  };
 
   __syncthreads();  // this CTA's previous sequence is done with the shared memory
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) mbarrier_init(stage_full + s, kTileTokens);
+    for (int s = 0; s < kStages; ++s) mbarrier_init(stage_full + s, L::kSwizzled ? 32 : kTileTokens);
     mbarrier_init_fence();
   }
   load_q<kFormat, kElem>(a, b, w.row0, q_tile);
+  if constexpr (L::kSwizzled) fence_proxy_async();  // Q lies in the last stage, where a tile lands later
   if (threadIdx.x < kStages * kTileTokens)
-    entries[threadIdx.x] = tile_token_entry(a, w, threadIdx.x / kTileTokens, threadIdx.x % kTileTokens);
+    tile_rows[threadIdx.x] = tile_token_row(a, w, threadIdx.x / kTileTokens, threadIdx.x % kTileTokens);
   __syncthreads();
   // Column half 0 takes k-steps [0, kHalfStep), half 1 the rest (warp-uniform branches).
   constexpr int kHalfStep = L::kHalfStep, kHalfBlock = kHalfStep / 4;
@@ -873,13 +1003,10 @@ __device__ void attend(const DecodeAttention& a, int64_t b, const Scales& scales
     load_q_fragments<0, kHalfStep>(t, q_tile, q);
   else
     load_q_fragments<kHalfStep, kQkSteps - kHalfStep>(t, q_tile, q);
-  // Tiles 0 .. kStages - 2 in flight. Threads 0-63 issue the rows (one each).
-  const bool issuer = threadIdx.x < kTileTokens;
+  // Tiles 0 .. kStages - 2 in flight.
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s)
-    if (issuer && s < w.n_tiles)
-      issue_tile<kFormat>(entries[s * kTileTokens + threadIdx.x], raw + s * L::kRawTileBytes,
-                          stage_full + s);
+    if (s < w.n_tiles) issue(s);
   uint32_t parity = 0;  // bit s: the phase of stage s's mbarrier that the next wait expects
 
   float out[kOutBlocks][4] = {};
@@ -888,17 +1015,15 @@ __device__ void attend(const DecodeAttention& a, int64_t b, const Scales& scales
   for (int64_t tile = 0; tile < w.n_tiles; ++tile) {
     mbarrier_wait(stage_full + slot, (parity >> slot) & 1);
     parity ^= 1u << slot;
+    uint8_t* stage = raw + slot * L::kRawTileBytes;
+    if constexpr (L::kSwizzled) zero_masked_rows(zero_rows[slot], stage);
     __syncthreads();  // tile has landed, and every warp is done with tile - 1 (its stage, V tile)
     // Tile + kStages - 1 goes to the stage of tile - 1.
     const int ahead = slot == 0 ? kStages - 1 : slot - 1;
-    if (issuer && tile + kStages - 1 < w.n_tiles)
-      issue_tile<kFormat>(entries[ahead * kTileTokens + threadIdx.x], raw + ahead * L::kRawTileBytes,
-                          stage_full + ahead);
-    // The entries of tile + kStages, looked up now so that their latency hides behind this
-    // tile's math.
-    const uint8_t* entry_ahead =
-        threadIdx.x < kTileTokens ? tile_token_entry(a, w, tile + kStages, int(threadIdx.x)) : nullptr;
-    uint8_t* stage = raw + slot * L::kRawTileBytes;
+    if (tile + kStages - 1 < w.n_tiles) issue(ahead);
+    // The rows of tile + kStages, looked up now so that their latency hides behind this tile's
+    // math.
+    const int64_t row_ahead = threadIdx.x < kTileTokens ? tile_token_row(a, w, tile + kStages, int(threadIdx.x)) : -1;
     uint8_t* kv;  // the V tile
     float acc[2][2][4] = {};
     uint32_t nan_lanes[2] = {0, 0};
@@ -920,12 +1045,12 @@ __device__ void attend(const DecodeAttention& a, int64_t b, const Scales& scales
         qk_tile<kElem, kHalfStep, kQkSteps - kHalfStep>(t, q, kv, acc);
     }
     const int64_t tile_first = w.first + tile * kTileTokens;
-    write_logits(t, acc, nan_lanes, entries + slot * kTileTokens, tile_first, scales.logit,
+    write_logits(t, acc, nan_lanes, tile_rows + slot * kTileTokens, tile_first, scales.logit,
                  scores + t.half * kTileRows * kScoreStride);
-    // The 16 x 64 logits (and a 1-byte format's V tile) are complete; this slot's entries are no
+    // The 16 x 64 logits (and a 1-byte format's V tile) are complete; this slot's rows are no
     // longer read.
     __syncthreads();
-    if (threadIdx.x < kTileTokens) entries[slot * kTileTokens + threadIdx.x] = entry_ahead;
+    if (threadIdx.x < kTileTokens) tile_rows[slot * kTileTokens + threadIdx.x] = row_ahead;
 
     uint32_t p[kPvSteps][4];
     float offset[2];
@@ -933,20 +1058,20 @@ __device__ void attend(const DecodeAttention& a, int64_t b, const Scales& scales
     const int64_t partly_lo = max64(seen_by_all, tile_first);
     const int64_t partly_hi = min64(seen_by_any, tile_first + kTileTokens);
     if (partly_lo < partly_hi)
-      add_partly_seen<kElem, L::kVRowBytes>(t, int(partly_lo - tile_first),
-                                            int(partly_hi - tile_first), tile_first, scores, offset,
-                                            kv, out);
-    pv_accumulate<kElem, L::kVRowBytes>(t, p, kv, out);
+      add_partly_seen<kElem, V>(t, int(partly_lo - tile_first), int(partly_hi - tile_first), tile_first,
+                                scores, offset, kv, out);
+    pv_accumulate<kElem, V>(t, p, kv, out);
     slot = slot + 1 == kStages ? 0 : slot + 1;
   }
   write_rows(a, w, t, scales, state, out);
 }
 
 template <CacheFormat kFormat, ActType kElem>
-__global__ void __launch_bounds__(kThreads, kCtasPerSm) attention_kernel(const DecodeAttention a) {
-  extern __shared__ __align__(16) uint8_t smem[];
+__global__ void __launch_bounds__(kThreads, kCtasPerSm)
+    attention_kernel(const DecodeAttention a, const __grid_constant__ TileMaps maps) {
+  extern __shared__ __align__(1024) uint8_t smem[];
   const Scales scales = load_scales<kFormat>(a);
-  for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) attend<kFormat, kElem>(a, b, scales, smem);
+  for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) attend<kFormat, kElem>(a, maps, b, scales, smem);
 }
 
 // One CTA per (query row, sequence): out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max lse)
@@ -1017,6 +1142,45 @@ ffi::Error cuda_error(const char* what, cudaError_t err) {
                               cudaGetErrorString(err));
 }
 
+// The driver's tensor-map encoder, looked up once.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+// The TMA boxes of a 16-bit cache (TileMaps). An empty cache gets none: no token has a row.
+ffi::Error make_tile_maps(const DecodeAttention& a, TileMaps& maps) {
+  const int64_t rows = a.num_blocks * a.block_size;
+  if (rows == 0) return ffi::Error::Success();
+  if (rows > INT32_MAX)  // box coordinates are int32
+    return ffi::Error::InvalidArgument(
+        "jax_kimi_mla mla_decode_attention: a 16-bit cache of more than 2^31 - 1 rows");
+  const auto encode = tensor_map_encoder();
+  if (encode == nullptr)
+    return ffi::Error::Internal("jax_kimi_mla mla_decode_attention: the CUDA driver has no cuTensorMapEncodeTiled");
+  const cuuint64_t dims[2] = {cuuint64_t(kEntry), cuuint64_t(rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(a.row_bytes)};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  for (const auto& [map, box_rows] : {std::pair{&maps.tile, kTileTokens}, std::pair{&maps.group, kBoxRows}}) {
+    const cuuint32_t box[2] = {64, cuuint32_t(box_rows)};
+    const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<uint8_t*>(a.cache), dims, strides,
+                              box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS)
+      return ffi::Error::Internal("jax_kimi_mla mla_decode_attention: cuTensorMapEncodeTiled failed (CUresult " +
+                                  std::to_string(int(r)) + ")");
+  }
+  return ffi::Error::Success();
+}
+
 template <CacheFormat kFormat, ActType kElem>
 ffi::Error launch_attention(cudaStream_t stream, const DecodeAttention& a, dim3 grid) {
   constexpr int kBytes = Layout<kFormat>::kBytes;
@@ -1029,7 +1193,10 @@ ffi::Error launch_attention(cudaStream_t stream, const DecodeAttention& a, dim3 
     const std::string what = "allowing " + std::to_string(kBytes) + " bytes of shared memory per block";
     return cuda_error(what.c_str(), err);
   }
-  kernel<<<grid, kThreads, kBytes, stream>>>(a);
+  TileMaps maps{};
+  if constexpr (Layout<kFormat>::kSwizzled)
+    if (ffi::Error map_err = make_tile_maps(a, maps); map_err.failure()) return map_err;
+  kernel<<<grid, kThreads, kBytes, stream>>>(a, maps);
   return ffi::Error::Success();
 }
 
