@@ -1,12 +1,27 @@
-// CUDA handler of gather_mla_cache: one launch. Every block first scans the clamped lengths into
-// the sequences' first output rows (shared memory, a block-wide prefix sum), then each warp
-// fills output rows: it finds the row's sequence by binary search, reads the token's entry
-// (lane l takes 8-element groups l, l + 32, l + 64 of the 72: all loads first, then the
-// conversions and 16-byte stores) and writes zeros for masked tokens and for rows past the last
-// token. The kernel is compiled per cache format, 16-bit cache type and output type, so the
-// inner loop has no format branches.
+// CUDA handler of gather_mla_cache: one launch of at most one wave of resident blocks, each
+// covering many rows (grid stride), so that the per-block prefix scan is paid once per block.
+//
+// Every block first scans the clamped lengths into the sequences' first output rows (shared
+// memory, a block-wide prefix sum). Then each warp fills batches of kRows consecutive output rows:
+// - Lanes 0..kRows-1 find their row's entry (binary search for the sequence, then the block
+//   table); the next batch's entries are looked up while the current batch's loads are in flight.
+// - All loads of the batch are issued before any conversion (more bytes in flight): lane l takes
+//   8-element groups l and l + 32 of every row (16 bytes of a 16-bit cache, 8 E4M3 codes) and
+//   group 64 + l % 8 of row l / 8 (+ 4) (ds_mla: the bf16 k_pe), so that each store instruction
+//   of a warp writes whole runs of a row.
+// - The conversions are exact and skip the generic software steps where they can: 16-bit values
+//   are copied or widened by bit operations (a 16-bit cache into its own type is its bits with
+//   NaN made canonical); E4M3 codes become exact values by the sm_89+ converter, or else by bit
+//   placement as f16 (value * 2^-8, the factor folded into the scales); plain fp8 divides by
+//   cache_scale_inv without a division instruction (Markstein, below). A group with a NaN code,
+//   an out-of-range ds_mla tile scale, or a cache_scale_inv outside the safe range instead takes
+//   the reference path: the CPU handler's operations one by one.
+// Masked tokens and rows past the last token are zero rows; rows past num_tokens are dropped.
+// The kernel is compiled per cache format, 16-bit cache type and output type, so the inner loop
+// has no format branches.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <string>
 
 #include "jax_kimi_mla/gather_cache.h"
@@ -16,50 +31,208 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kRowsPerWarp = 4;
-constexpr int kRowsPerBlock = kWarps * kRowsPerWarp;
-constexpr int kGroups = kEntry / 8;                   // 72 groups of 8 elements per row
-constexpr int kGroupsPerLane = (kGroups + 31) / 32;  // 3
+constexpr int kMinBlocksPerSm = 4;  // at most 64 registers: 32 warps per SM keep the loads flowing
+constexpr int kMainGroups = 64;     // groups 0..63 of a row: lanes l and l + 32; ds_mla: the latent
 constexpr int64_t kMaxSharedBytes = 227 * 1024;
 
-// The 8 values of group g of the entry at `entry` (not null), dequantized to float32.
-template <CacheFormat kFormat, ActType kCache16>
-__device__ __forceinline__ void load_group(const uint8_t* entry, int g, float inv_scale, Raw16& raw,
-                                           float& tile_scale) {
-  if constexpr (kFormat == CacheFormat::kBf16) {
-    raw = load16(entry + 16 * g);
-  } else if constexpr (kFormat == CacheFormat::kFp8) {
-    const uint2 v = __ldg(reinterpret_cast<const uint2*>(entry + 8 * g));
-    raw.w[0] = v.x, raw.w[1] = v.y;
-    tile_scale = inv_scale;
-  } else if (g < kLatent / 8) {  // ds_mla latent codes and their tile's scale
-    const uint2 v = __ldg(reinterpret_cast<const uint2*>(entry + 8 * g));
-    raw.w[0] = v.x, raw.w[1] = v.y;
-    tile_scale = __ldg(reinterpret_cast<const float*>(entry + kDsMlaScaleOffset) + g / 16);
-  } else {  // ds_mla k_pe, bf16
-    raw = load16(entry + kDsMlaPeOffset + 16 * (g - kLatent / 8));
+// Rows per warp batch; the 8 tail groups (64..71) of 4 rows are one load per lane. A lane has
+// 144 bytes of loads in flight per batch (plain fp8: 18 loads of 8 codes; a 16-bit cache: 9 of 16
+// bytes), 112 for ds_mla (8 loads of codes, their 8 tile scales, one of k_pe).
+template <CacheFormat kFormat>
+constexpr int kRows = kFormat == CacheFormat::kFp8 ? 8 : 4;
+
+// The value of an E4M3 code as codes_to_f32 gives it, in units of the code's value.
+#if JKM_HARDWARE_FP8
+constexpr float kCodeUnit = 1.0f;
+#else
+constexpr float kCodeUnit = 0x1p-8f;
+#endif
+
+template <OutType kOut>
+__device__ __forceinline__ uint8_t* group_dst(void* out, int64_t r, int group) {
+  return static_cast<uint8_t*>(out) + (r * kEntry + 8 * group) * (kOut == OutType::kF32 ? 4 : 2);
+}
+
+// Eight float32 values stored as an output group: bf16/f16 rounded to nearest even by the pair
+// converters, then NaN made canonical as bf16x2/f16x2 do, unless kNanFree says that no value can
+// be a NaN (the patch would have nothing to do); f32 as they are. The store_out8 contract.
+template <OutType kOut, bool kNanFree>
+__device__ __forceinline__ void store_values(uint8_t* dst, const float v[8]) {
+  if constexpr (kOut == OutType::kF32) {
+    store16(dst, Raw16{{f32_bits(v[0]), f32_bits(v[1]), f32_bits(v[2]), f32_bits(v[3])}});
+    store16(dst + 16, Raw16{{f32_bits(v[4]), f32_bits(v[5]), f32_bits(v[6]), f32_bits(v[7])}});
+  } else {
+    Raw16 w;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 p = make_float2(v[2 * i], v[2 * i + 1]);
+      if constexpr (!kNanFree) {
+        w.w[i] = kOut == OutType::kBF16 ? bf16x2(p.x, p.y) : f16x2(p.x, p.y);
+      } else if constexpr (kOut == OutType::kBF16) {
+        const __nv_bfloat162 h = __float22bfloat162_rn(p);
+        w.w[i] = *reinterpret_cast<const uint32_t*>(&h);
+      } else {
+        const __half2 h = __float22half2_rn(p);
+        w.w[i] = *reinterpret_cast<const uint32_t*>(&h);
+      }
+    }
+    store16(dst, w);
   }
 }
 
-template <CacheFormat kFormat, ActType kCache16>
-__device__ __forceinline__ void widen_group(const Raw16& raw, float tile_scale, int g, float v[8]) {
-  const bool codes = kFormat == CacheFormat::kFp8 || (kFormat == CacheFormat::kFp8DsMla && g < kLatent / 8);
-  if (codes) {
+__device__ __forceinline__ void store_zeros(uint8_t* dst, bool f32) {
+  store16(dst, Raw16{});
+  if (f32) store16(dst + 16, Raw16{});
+}
+
+// ---- 16-bit values (a bf16/f16 cache, ds_mla k_pe) ----
+
+// Whether one of the 8 f16 values is a NaN (magnitude above 0x7C00: adding 0x3FF carries into the
+// half's top bit).
+__device__ __forceinline__ bool has_nan_f16(const Raw16& raw) {
+  const uint32_t any = ((raw.w[0] & 0x7FFF7FFFu) + 0x03FF03FFu) | ((raw.w[1] & 0x7FFF7FFFu) + 0x03FF03FFu) |
+                       ((raw.w[2] & 0x7FFF7FFFu) + 0x03FF03FFu) | ((raw.w[3] & 0x7FFF7FFFu) + 0x03FF03FFu);
+  return (any & 0x80008000u) != 0;
+}
+
+template <ActType kCache16, OutType kOut>
+__device__ __forceinline__ void store_16bit(uint8_t* dst, const Raw16& raw) {
+  constexpr bool kSameType = kOut == (kCache16 == ActType::kBF16 ? OutType::kBF16 : OutType::kF16);
+  if constexpr (kSameType) {
+    // Widening is exact and narrowing it back gives the same bits, except NaN (canonical).
+    const uint32_t inf = kCache16 == ActType::kBF16 ? 0x7F80u : 0x7C00u;
+    const uint32_t nan = kCache16 == ActType::kBF16 ? kBf16NaN : kF16NaN;
+    Raw16 w;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w.w[i] = canonical_nan_halves(raw.w[i], inf, nan);
+    store16(dst, w);
+  } else {
+    float v[8];
+    if constexpr (kCache16 == ActType::kBF16) {
+      widen8(ActType::kBF16, raw, v);  // shifts
+    } else if (kOut == OutType::kF32 && has_nan_f16(raw)) {
+      widen8(ActType::kF16, raw, v);  // the bit path keeps NaN payloads, as the f32 output copies them
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // exact, subnormals included; NaN is made canonical by the store
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&raw.w[i]));
+        v[2 * i] = f.x, v[2 * i + 1] = f.y;
+      }
+    }
+    store_values<kOut, false>(dst, v);
+  }
+}
+
+// ---- E4M3 codes ----
+
+// Whether one of the 8 codes is a NaN (low 7 bits all ones: adding 1 carries into bit 7).
+__device__ __forceinline__ bool has_nan_code(uint2 c) {
+  return ((((c.x & 0x7F7F7F7Fu) + 0x01010101u) | ((c.y & 0x7F7F7F7Fu) + 0x01010101u)) & 0x80808080u) != 0;
+}
+
+// Eight codes (the first in the lowest byte) as float32 values, code value * kCodeUnit exactly;
+// NaN codes are not handled (their groups take the reference path). sm_89+: the hardware pair
+// converter to f16 (exact). Otherwise s.eeee.mmm is placed with its sign at the f16 sign bit and
+// eeee.mmm at the top of the exponent and mantissa fields: an f16 of value * 2^-8, subnormal
+// codes included. f16 to float32 is exact.
+__device__ __forceinline__ void codes_to_f32(uint2 c, float x[8]) {
+  const uint32_t w[2] = {c.x, c.y};
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+#if JKM_HARDWARE_FP8
+      uint32_t h;
+      asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h) : "h"(uint16_t(w[k] >> (16 * p))));
+#else
+      const uint32_t t = __byte_perm(w[k], 0, p == 0 ? 0x1404 : 0x3424);  // codes in the halves' high bytes
+      const uint32_t h = (t & 0x80008000u) | ((t >> 1) & 0x3F803F80u);
+#endif
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+      x[4 * k + 2 * p] = f.x, x[4 * k + 2 * p + 1] = f.y;
+    }
+  }
+}
+
+// The reference path of a group of codes, GatherCache::value's operations: the software decoder,
+// then code / cache_scale_inv (a true division) for plain fp8, code * tile scale for ds_mla.
+// Rare (NaN codes, odd scales), so out of line: it keeps the hot loop's registers and code small.
+template <CacheFormat kFormat, OutType kOut>
+__device__ __noinline__ void store_codes_reference(uint8_t* dst, uint2 c, float scale) {
+  float v[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float x = e4m3_to_f32(uint8_t((i < 4 ? c.x : c.y) >> (8 * (i % 4))));
+    v[i] = kFormat == CacheFormat::kFp8 ? x / scale : mul_rn(x, scale);
+  }
+  store_values<kOut, false>(dst, v);
+}
+
+// Plain fp8: code / s, correctly rounded, without a division. With x = code * kCodeUnit,
+// d = s * kCodeUnit and y = RN(1 / d): q0 = RN(x y), r = x - q0 d (exact, by the FMA),
+// q = RN(q0 + r y) = RN(x / d) = RN(code / s) (Markstein's theorem; checked against true division
+// for all codes and all significands of d). It needs nothing to underflow or overflow: x is 0 or in
+// [2^-17, 448], so 2^-100 < |d| < 2^100 (`fast`) is enough; otherwise every group takes the
+// reference path. A zero code gives r = +0 and thus q = +0 where q0 = -0: q takes q0's sign (for a
+// nonzero quotient they agree already).
+struct Fp8Divisor {
+  float s = 1.0f, d = 1.0f, y = 1.0f;
+  bool fast = true;
+};
+
+template <CacheFormat kFormat, OutType kOut>
+__device__ __forceinline__ void store_codes(uint8_t* dst, uint2 c, float tile_scale, const Fp8Divisor& div) {
+  float x[8];
+  if constexpr (kFormat == CacheFormat::kFp8) {
+    if (!div.fast || has_nan_code(c)) return store_codes_reference<kFormat, kOut>(dst, c, div.s);
+    codes_to_f32(c, x);
+#pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const float x = e4m3_to_f32(uint8_t(raw.w[i / 4] >> (8 * (i % 4))));
-      // Plain fp8: code / cache_scale_inv (tile_scale holds cache_scale_inv); ds_mla: code * scale.
-      v[i] = kFormat == CacheFormat::kFp8 ? x / tile_scale : x * tile_scale;
+      const float q0 = __fmul_rn(x[i], div.y);
+      const float q = __fmaf_rn(__fmaf_rn(-q0, div.d, x[i]), div.y, q0);
+      x[i] = __uint_as_float(__float_as_uint(q) | (__float_as_uint(q0) & 0x80000000u));
     }
   } else {
-    widen8(kFormat == CacheFormat::kBf16 ? kCache16 : ActType::kBF16, raw, v);
+    // code * tile_scale = x * (tile_scale / kCodeUnit): the same exact product, one rounding, when
+    // tile_scale / kCodeUnit is finite; |tile_scale| < 2^120 also keeps the result NaN-free.
+    if (has_nan_code(c) || !(fabsf(tile_scale) < 0x1p120f))
+      return store_codes_reference<kFormat, kOut>(dst, c, tile_scale);
+    codes_to_f32(c, x);
+    const float m = kCodeUnit == 1.0f ? tile_scale : __fmul_rn(tile_scale, 1.0f / kCodeUnit);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = __fmul_rn(x[i], m);
   }
+  store_values<kOut, true>(dst, x);
+}
+
+// ---- rows ----
+
+// The entry of output row r, or null for a masked token, a row past the last token or past
+// num_tokens. `filled`: the rows that hold tokens.
+__device__ __forceinline__ const uint8_t* row_entry(const GatherCache& g, const int64_t* first_row,
+                                                    int64_t filled, int64_t r) {
+  if (r >= filled) return nullptr;
+  int64_t lo = 0, hi = g.batch - 1;  // the last sequence b with first_row[b] <= r
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (first_row[mid] <= r) lo = mid; else hi = mid - 1;
+  }
+  const int64_t cache_row = g.token_row(lo, r - first_row[lo]);
+  return cache_row >= 0 ? g.cache + cache_row * g.row_bytes : nullptr;
+}
+
+__device__ __forceinline__ const uint8_t* shfl_entry(const uint8_t* e, int src) {
+  return reinterpret_cast<const uint8_t*>(
+      __shfl_sync(0xFFFFFFFFu, reinterpret_cast<unsigned long long>(e), src));
 }
 
 template <CacheFormat kFormat, ActType kCache16, OutType kOut>
-__global__ void __launch_bounds__(kThreads) gather_kernel(GatherCache g) {
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) gather_kernel(GatherCache g) {
+  constexpr int R = kRows<kFormat>;
+  constexpr int kTails = R / 4;  // tail loads per lane: group 64 + lane % 8 of rows lane / 8 + 4j
+  constexpr bool kCodes = kFormat != CacheFormat::kBf16;
   extern __shared__ int64_t first_row[];  // [batch + 1]: the sequences' first output rows
   __shared__ int64_t warp_sums[kWarps];
-  g.out_type = kOut;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 
   // The block-wide prefix sum of the clamped lengths, 256 sequences at a time.
@@ -84,52 +257,111 @@ __global__ void __launch_bounds__(kThreads) gather_kernel(GatherCache g) {
   }
   if (threadIdx.x == 0) first_row[0] = 0;
   __syncthreads();
-  const int64_t filled = first_row[g.batch];
-  const float inv_scale = kFormat == CacheFormat::kFp8 ? __ldg(g.cache_scale_inv) : 1.0f;
+  const int64_t filled = min(first_row[g.batch], g.num_tokens);
 
-  for (int k = 0; k < kRowsPerWarp; ++k) {
-    const int64_t r = int64_t(blockIdx.x) * kRowsPerBlock + k * kWarps + warp;
-    if (r >= g.num_tokens) return;
-    const uint8_t* entry = nullptr;
-    if (r < filled) {  // the last sequence b with first_row[b] <= r
-      int64_t lo = 0, hi = g.batch - 1;
-      while (lo < hi) {
-        const int64_t mid = (lo + hi + 1) / 2;
-        if (first_row[mid] <= r) lo = mid; else hi = mid - 1;
+  Fp8Divisor div;
+  if constexpr (kFormat == CacheFormat::kFp8) {
+    div.s = __ldg(g.cache_scale_inv);
+    div.d = kCodeUnit == 1.0f ? div.s : __fmul_rn(div.s, kCodeUnit);
+    div.y = __frcp_rn(div.d);
+    div.fast = fabsf(div.d) > 0x1p-100f && fabsf(div.d) < 0x1p100f;
+  }
+
+  const int64_t stride = int64_t(gridDim.x) * kWarps;
+  int64_t batch = int64_t(blockIdx.x) * kWarps + warp;
+  const uint8_t* entry = lane < R ? row_entry(g, first_row, filled, batch * R + lane) : nullptr;
+  for (; batch * R < g.num_tokens; batch += stride) {
+    const int64_t base = batch * R;
+    const unsigned live = __ballot_sync(0xFFFFFFFFu, entry != nullptr);  // bit i: row base + i reads
+    Raw16 main[2 * R], tail[kTails];
+    float scale[2 * R];  // ds_mla: the tile scale of each main group
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const uint8_t* e = shfl_entry(entry, i);
+      if (e == nullptr) continue;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int group = lane + 32 * h;
+        if constexpr (kCodes) {
+          const uint2 v = __ldg(reinterpret_cast<const uint2*>(e + 8 * group));
+          main[2 * i + h].w[0] = v.x, main[2 * i + h].w[1] = v.y;
+          if constexpr (kFormat == CacheFormat::kFp8DsMla)
+            scale[2 * i + h] = __ldg(reinterpret_cast<const float*>(e + kDsMlaScaleOffset) + group / 16);
+        } else {
+          main[2 * i + h] = load16(e + 16 * group);
+        }
       }
-      const int64_t cache_row = g.token_row(lo, r - first_row[lo]);
-      if (cache_row >= 0) entry = g.cache + cache_row * g.row_bytes;
-    }
-    Raw16 raw[kGroupsPerLane] = {};
-    float tile_scale[kGroupsPerLane] = {};
-#pragma unroll
-    for (int i = 0; i < kGroupsPerLane; ++i) {
-      const int group = lane + 32 * i;
-      if (group < kGroups && entry != nullptr)
-        load_group<kFormat, kCache16>(entry, group, inv_scale, raw[i], tile_scale[i]);
     }
 #pragma unroll
-    for (int i = 0; i < kGroupsPerLane; ++i) {
-      const int group = lane + 32 * i;
-      if (group >= kGroups) continue;
-      float v[8] = {};
-      if (entry != nullptr) widen_group<kFormat, kCache16>(raw[i], tile_scale[i], group, v);
-      store_out8(g, r, group, v);
+    for (int j = 0; j < kTails; ++j) {
+      const uint8_t* e = shfl_entry(entry, lane / 8 + 4 * j);
+      if (e == nullptr) continue;
+      const int group = kMainGroups + lane % 8;
+      if constexpr (kFormat == CacheFormat::kFp8) {
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(e + 8 * group));
+        tail[j].w[0] = v.x, tail[j].w[1] = v.y;
+      } else if constexpr (kFormat == CacheFormat::kFp8DsMla) {
+        tail[j] = load16(e + kDsMlaPeOffset + 16 * (group - kMainGroups));
+      } else {
+        tail[j] = load16(e + 16 * group);
+      }
+    }
+    // The next batch's entries, while this batch's loads are in flight.
+    entry = lane < R ? row_entry(g, first_row, filled, (batch + stride) * R + lane) : nullptr;
+
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const int64_t r = base + i;
+      if (r >= g.num_tokens) break;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        uint8_t* dst = group_dst<kOut>(g.out, r, lane + 32 * h);
+        if (!(live >> i & 1u)) {
+          store_zeros(dst, kOut == OutType::kF32);
+        } else if constexpr (kCodes) {
+          store_codes<kFormat, kOut>(dst, make_uint2(main[2 * i + h].w[0], main[2 * i + h].w[1]),
+                                     kFormat == CacheFormat::kFp8DsMla ? scale[2 * i + h] : 0.0f, div);
+        } else {
+          store_16bit<kCache16, kOut>(dst, main[2 * i + h]);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kTails; ++j) {
+      const int i = lane / 8 + 4 * j;
+      const int64_t r = base + i;
+      if (r >= g.num_tokens) continue;
+      uint8_t* dst = group_dst<kOut>(g.out, r, kMainGroups + lane % 8);
+      if (!(live >> i & 1u))
+        store_zeros(dst, kOut == OutType::kF32);
+      else if constexpr (kFormat == CacheFormat::kFp8)
+        store_codes<kFormat, kOut>(dst, make_uint2(tail[j].w[0], tail[j].w[1]), 0.0f, div);
+      else  // ds_mla k_pe is bf16
+        store_16bit<kFormat == CacheFormat::kBf16 ? kCache16 : ActType::kBF16, kOut>(dst, tail[j]);
     }
   }
 }
 
 template <CacheFormat kFormat, ActType kCache16, OutType kOut>
 ffi::Error launch(cudaStream_t stream, const GatherCache& g) {
+  const auto cuda_error = [](cudaError_t err) {
+    return ffi::Error::Internal(std::string("jax_kimi_mla gather_mla_cache: ") + cudaGetErrorString(err));
+  };
   const size_t shared = size_t(g.batch + 1) * sizeof(int64_t);
   if (int64_t(shared) > kMaxSharedBytes)
     return ffi::Error::InvalidArgument("jax_kimi_mla gather_mla_cache: too many sequences for one launch");
   auto* kernel = gather_kernel<kFormat, kCache16, kOut>;
   // Per device, as the attribute is; it queues no work, so a CUDA graph capture is unaffected.
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
-  if (err != cudaSuccess)
-    return ffi::Error::Internal(std::string("jax_kimi_mla gather_mla_cache: ") + cudaGetErrorString(err));
-  const int64_t blocks = (g.num_tokens + kRowsPerBlock - 1) / kRowsPerBlock;
+  // One wave: the blocks that fit on the GPU at once, each taking every stride-th batch.
+  int device = 0, sms = 0, per_sm = 0;
+  if (err == cudaSuccess) err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, shared);
+  if (err != cudaSuccess) return cuda_error(err);
+  const int64_t batches = (g.num_tokens + kRows<kFormat> - 1) / kRows<kFormat>;
+  const int64_t wave = int64_t(sms) * (per_sm > 0 ? per_sm : 1);
+  const int64_t blocks = std::min((batches + kWarps - 1) / kWarps, wave);
   kernel<<<unsigned(blocks), kThreads, shared, stream>>>(g);
   return ffi::Error::Success();
 }
