@@ -102,18 +102,20 @@ for s in $stages; do
       stage soft-fp8 bash -c 'CMAKE_ARGS=-DJAX_KIMI_MLA_SOFTWARE_FP8=ON python3 -m pip install --no-build-isolation --no-deps . &&
         python3 -P -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_nonfinite.py \
           tests/test_decode_attention.py tests/test_gather_cache.py -k cuda; rc=$?
-        python3 -m pip install --no-build-isolation --no-deps . > /dev/null; exit $rc' ;;
+        CMAKE_ARGS=-DJAX_KIMI_MLA_SOFTWARE_FP8=OFF python3 -m pip install --no-build-isolation --no-deps . > /dev/null
+        exit $rc' ;;
     wheel)
       # The binary wheel proven on the GPU: built offline by scripts/build_wheel.sh (default
       # architectures), installed into a fresh venv, and the CUDA tests run from a copy of tests/
       # outside the source tree. The device has no network: the venv sees python3's jax and pytest
-      # through a .pth, after its own site-packages (so the wheel, not a source install, is imported).
-      stage wheel bash -c 'set -e; work=$(mktemp -d); repo=$PWD
+      # through a .pth, after its own site-packages, added once the wheel is in (pip would otherwise
+      # take the source install it then sees for the wheel's requirement, and install nothing).
+      stage wheel bash -c 'set -e; work=$(mktemp -d)
         JKM_WHEEL_NO_ISOLATION=1 bash scripts/build_wheel.sh "$work/dist"
         python3 -m venv "$work/venv"
+        "$work/venv/bin/pip" install --quiet --no-deps --disable-pip-version-check "$work"/dist/jax_kimi_mla-*.whl
         python3 -c "import jax, os; print(os.path.dirname(os.path.dirname(jax.__file__)))" \
           > "$("$work/venv/bin/python" -c "import sysconfig; print(sysconfig.get_path(\"purelib\"))")/device-jax.pth"
-        "$work/venv/bin/pip" install --quiet --no-deps --disable-pip-version-check "$work"/dist/jax_kimi_mla-*.whl
         cp -r tests "$work/tests"; cd "$work"
         "$work/venv/bin/python" -c "import jax_kimi_mla as m; assert m.HAS_CUDA_MODULE and \"$work/venv\" in m.__file__, m.__file__; print(\"wheel\", m.__version__, \"from\", m.__file__)"
         "$work/venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_decode_attention.py \

@@ -35,11 +35,12 @@ constexpr int kMinBlocksPerSm = 4;  // at most 64 registers: 32 warps per SM kee
 constexpr int kMainGroups = 64;     // groups 0..63 of a row: lanes l and l + 32; ds_mla: the latent
 constexpr int64_t kMaxSharedBytes = 227 * 1024;
 
-// Rows per warp batch; the 8 tail groups (64..71) of 4 rows are one load per lane. A lane has
-// 144 bytes of loads in flight per batch (plain fp8: 18 loads of 8 codes; a 16-bit cache: 9 of 16
-// bytes), 112 for ds_mla (8 loads of codes, their 8 tile scales, one of k_pe).
-template <CacheFormat kFormat>
-constexpr int kRows = kFormat == CacheFormat::kFp8 ? 8 : 4;
+// Rows per warp batch; the 8 tail groups (64..71) of the 4 rows are one load per lane. A lane has
+// 144 bytes of loads in flight per batch with a 16-bit cache (9 loads of 16 bytes), 72 with plain
+// fp8 (9 of 8 codes), 112 with ds_mla (8 of codes, their 8 tile scales, one of k_pe). Measured on
+// the H200 (benchmarks/bench_attention.py --only gather): 8 rows for plain fp8 was no faster (its
+// 64 registers then spill), 8 rows with 128 registers neither.
+constexpr int kRows = 4;
 
 // The value of an E4M3 code as codes_to_f32 gives it, in units of the code's value.
 #if JKM_HARDWARE_FP8
@@ -228,7 +229,7 @@ __device__ __forceinline__ const uint8_t* shfl_entry(const uint8_t* e, int src) 
 
 template <CacheFormat kFormat, ActType kCache16, OutType kOut>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) gather_kernel(GatherCache g) {
-  constexpr int R = kRows<kFormat>;
+  constexpr int R = kRows;
   constexpr int kTails = R / 4;  // tail loads per lane: group 64 + lane % 8 of rows lane / 8 + 4j
   constexpr bool kCodes = kFormat != CacheFormat::kBf16;
   extern __shared__ int64_t first_row[];  // [batch + 1]: the sequences' first output rows
@@ -359,7 +360,7 @@ ffi::Error launch(cudaStream_t stream, const GatherCache& g) {
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, shared);
   if (err != cudaSuccess) return cuda_error(err);
-  const int64_t batches = (g.num_tokens + kRows<kFormat> - 1) / kRows<kFormat>;
+  const int64_t batches = (g.num_tokens + kRows - 1) / kRows;
   const int64_t wave = int64_t(sms) * (per_sm > 0 ? per_sm : 1);
   const int64_t blocks = std::min((batches + kWarps - 1) / kWarps, wave);
   kernel<<<unsigned(blocks), kThreads, shared, stream>>>(g);
