@@ -5,7 +5,10 @@ v [T, H, 128], causal attention over the new tokens plus, for a later chunk of a
 sequence's cached tokens (read back with ``gather_mla_cache`` and up-projected through
 kv_b_proj). The attention runs on cuDNN's flash attention where the GPU has it, else blockwise
 (online softmax over tiles of ``config.attention_block`` queries and keys); either way memory grows
-with T, not T^2 (``config.attention_impl``, :mod:`jax_kimi_mla.prefill_attention`). Decode runs the absorbed form: W_UK
+with T, not T^2 (``config.attention_impl``, :mod:`jax_kimi_mla.prefill_attention`). For long chunks the heads run
+in groups, one after another (``config.head_groups``, :func:`prefill_head_groups`), so that q, k and v of all heads never
+exist at once; the GEMMs write the activation dtype (float32 accumulation inside), never a float32
+product (docs/PREFILL.md, "Memory"). Decode runs the absorbed form: W_UK
 folded into the query (ql_nope [B, H, 512]), ``mla_decode_attention`` of mqa_q [B, (S_q,) H, 576]
 over the paged latent cache, W_UV after. Optional: an output gate (Kimi-K3), q projected without
 q_lora, a softmax scale other than 1/sqrt(192) (YaRN); see :class:`MLAConfig`.
@@ -80,6 +83,10 @@ class MLAConfig:
     # Prefill attention: "cudnn" (cuDNN flash attention; Hopper, cuDNN >= 9.10), "blockwise"
     # (jnp online softmax, any backend) or "auto" (cudnn where it runs, else blockwise).
     attention_impl: str = "auto"
+    # Prefill runs its heads in this many groups (a divisor of num_heads), one after another, so
+    # that q, k, v of all heads never exist at once; None: the fewest groups that keep the step's
+    # estimated temporaries within bounds (:func:`prefill_head_groups`, docs/PREFILL.md).
+    head_groups: int | None = None
 
     @property
     def attention_scale(self) -> float:
@@ -91,6 +98,25 @@ class MLAConfig:
         _checks.rope_style(self.rope_style)
         if self.attention_impl not in prefill_attention.IMPLS:
             raise ValueError(f"attention_impl must be one of {prefill_attention.IMPLS}, got {self.attention_impl!r}")
+        groups = self.head_groups
+        if groups is not None and (isinstance(groups, bool) or not isinstance(groups, (int, np.integer)) or groups < 1
+                                   or self.num_heads % groups):
+            raise ValueError(f"head_groups must be None or a divisor of num_heads={self.num_heads}, got {groups!r}")
+
+
+def _weight_shapes(config: MLAConfig) -> dict:
+    """{name: (shape, fan_in)} of one layer's matrices."""
+    d, h, r = config.hidden_size, config.num_heads, config.q_lora_rank
+    q_shapes = {"q_proj": ((d, h, P + R), d)} if r is None else {"q_a_proj": ((d, r), d), "q_b_proj": ((r, h, P + R), r)}
+    shapes = {
+        **q_shapes,
+        "kv_a_proj": ((d, ENTRY), d),  # -> [kv_c | k_pe]
+        "kv_b_proj": ((L, h, P + V), L),  # -> [k_nope | v]: W_UK, then W_UV
+        "o_proj": ((h, V, d), h * V),
+    }
+    if config.output_gate:
+        shapes["g_proj"] = ((d, h, V), d)
+    return shapes
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_layers"))
@@ -101,16 +127,8 @@ def init_params(key, config: MLAConfig, num_layers: int | None = None):
     """
     if num_layers is not None:
         return jax.vmap(lambda k: init_params(k, config))(jax.random.split(key, num_layers))
-    d, h, r, dt = config.hidden_size, config.num_heads, config.q_lora_rank, config.dtype
-    q_shapes = {"q_proj": ((d, h, P + R), d)} if r is None else {"q_a_proj": ((d, r), d), "q_b_proj": ((r, h, P + R), r)}
-    shapes = {  # name: (shape, fan_in)
-        **q_shapes,
-        "kv_a_proj": ((d, ENTRY), d),  # -> [kv_c | k_pe]
-        "kv_b_proj": ((L, h, P + V), L),  # -> [k_nope | v]: W_UK, then W_UV
-        "o_proj": ((h, V, d), h * V),
-    }
-    if config.output_gate:
-        shapes["g_proj"] = ((d, h, V), d)
+    r, dt = config.q_lora_rank, config.dtype
+    shapes = _weight_shapes(config)
     # One draw cut into the weights: XLA compiles one random generator instead of five.
     sizes = [math.prod(shape) for shape, _ in shapes.values()]
     draws = jnp.split(jax.random.normal(key, (sum(sizes),), F32), np.cumsum(sizes)[:-1])
@@ -144,7 +162,24 @@ def allocate_cache(config: MLAConfig, num_blocks: int, block_size: int, num_laye
 
 
 def _proj(spec, x, w):
-    return jnp.einsum(spec, x, w, preferred_element_type=F32).astype(w.dtype)
+    """x @ w in w's dtype, accumulated in float32 and rounded once.
+
+    On a GPU the GEMM writes w's dtype itself (cuBLAS and XLA's Triton GEMMs accumulate bf16/fp16
+    operands in float32): a float32 product cast afterwards would be a temporary twice the size
+    of the result, [T, hidden] float32 for o_proj (XLA:GPU does not fold the cast into the GEMM).
+    XLA:CPU, though, computes a bf16-output dot by converting both operands (the weights too) to
+    float32 first, while it multiplies bf16 into float32 directly: there the float32 product is
+    cast. Same values either way."""
+    return jax.lax.platform_dependent(
+        x, w,
+        cpu=lambda x, w: jnp.einsum(spec, x, w, preferred_element_type=F32).astype(w.dtype),
+        default=lambda x, w: jnp.einsum(spec, x, w, preferred_element_type=w.dtype),
+    )
+
+
+def _gate_logits(x, g_proj):
+    """x @ g_proj [T, H, 128] in float32: the gate's sigmoid sees unrounded logits."""
+    return jnp.einsum("td,dhv->thv", x, g_proj, preferred_element_type=F32)
 
 
 def _rms_norm(x, w, eps):
@@ -227,6 +262,69 @@ def _blockwise_attention(q, k, v, q_seq, q_pos, k_seq, k_pos, k_valid, scale, bl
     return out.reshape(-1, H, Dv)[:T]
 
 
+# Prefill's head groups when MLAConfig.head_groups is None: the fewest groups (of at least
+# MIN_GROUP_HEADS heads: fewer leave the GPU idle in the attention) whose estimated temporaries
+# stay within PREFILL_TEMP_FRACTION of what the step holds anyway, its weights, x and its output
+# (the cache is left out, so that a large cache does not switch grouping off). Issue 11's target
+# is a peak <= 1.5x (weights + inputs and outputs + cache): 0.4 leaves room for what the estimate
+# leaves out (workspaces, how XLA packs its buffers). docs/PREFILL.md has the numbers.
+PREFILL_TEMP_FRACTION = 0.4
+MIN_GROUP_HEADS = 4
+
+
+def prefill_temp_bytes(config: MLAConfig, tokens: int, groups: int, *, packed: bool = False, context_tokens: int = 0) -> int:
+    """Estimated bytes of the largest set of temporaries a :func:`prefill` step holds at once
+    (on cuDNN attention; beyond its arguments and outputs), with its heads in ``groups`` groups.
+
+    Per token, in the activation dtype: one head's q, k (192 each), v and attention output (128
+    each, or 192 in the packed layout, where v travels padded) - the epilogue holds as much (q,
+    k_nope, v, k); after a cached context of c tokens per token, q, the chunk's output, the
+    context's k, v (and k_nope or unpadded v while they are made) and its output. Shared: the
+    KV latent (and kv_a) when ungrouped; with groups, the gated output of all heads [T, H, 128],
+    q's latent, the KV latent, k_pe, and each group's weight slices. A model for choosing the
+    groups, meant to err high (docs/PREFILL.md, "Memory", has its numbers), not a bound.
+    """
+    T, H, d = tokens, config.num_heads, config.hidden_size
+    if groups < 1 or H % groups:
+        raise ValueError(f"groups must divide num_heads={H}, got {groups}")
+    g, item = H // groups, jnp.dtype(config.dtype).itemsize
+    c = context_tokens / max(T, 1)
+    width = P + R if packed else V  # v and the output in the attention call
+    per_head = 2 * (P + R) + 2 * width
+    if context_tokens:
+        per_head = max(per_head, (P + R) + 2 * width + c * ((P + R) + P + width))
+    per_head *= item
+    if config.cache_format == "fp8":
+        per_head += 2 * (P + R) + V  # the fp8 codes of q, k, v beside their dequantized values
+    if groups == 1:
+        shared = (ENTRY + L) * item
+        slices = 0
+    else:
+        q_in = d if config.q_lora_rank is None else config.q_lora_rank
+        shared = (H * V + (0 if config.q_lora_rank is None else q_in) + L + R) * item
+        slices = g * (q_in * (P + R) + L * (P + V) + (d * V if config.output_gate else 0)) * item
+    shared += c * ENTRY * item
+    return int(T * (shared + g * per_head) + slices)
+
+
+def prefill_head_groups(config: MLAConfig, tokens: int, *, packed: bool = False, context_tokens: int = 0) -> int:
+    """How many head groups :func:`prefill` runs for a chunk of ``tokens`` tokens: ``config.head_groups``
+    if set, else the fewest (of at least ``MIN_GROUP_HEADS`` heads each, or one group) whose
+    :func:`prefill_temp_bytes` stay within ``PREFILL_TEMP_FRACTION`` of the weights plus x and the
+    output; if none does, the most groups allowed. ``packed``: several sequences in the call;
+    ``context_tokens``: rows of the gathered context."""
+    if config.head_groups is not None:
+        return int(config.head_groups)
+    H, item = config.num_heads, jnp.dtype(config.dtype).itemsize
+    weights = sum(math.prod(shape) for shape, _ in _weight_shapes(config).values()) * item
+    limit = PREFILL_TEMP_FRACTION * (weights + 2 * tokens * config.hidden_size * item)
+    options = [n for n in range(1, H + 1) if H % n == 0 and (n == 1 or H // n >= MIN_GROUP_HEADS)]
+    for n in options:
+        if prefill_temp_bytes(config, tokens, n, packed=packed, context_tokens=context_tokens) <= limit:
+            return n
+    return options[-1]
+
+
 def _rope_kwargs(positions, cos_sin_cache, config):
     if cos_sin_cache is None:
         return {}
@@ -271,71 +369,121 @@ def prefill(
     cache, base, rows = _layer_rows(kv_cache, layer)
     slots = _cache_slots(slot_mapping, base, rows)
     rope_kw = _rope_kwargs(positions, cos_sin_cache, config)
-    q, kv_a, kv_c_normed = _projections(params, x, config)
-    if fmt == "fp8":
-        kv = _proj("tl,lhc->thc", kv_c_normed, params["kv_b_proj"])  # [T, H, 256] = [k_nope | v]
-        s = params["fp8_scale_inv"]
-        q, k, v, cache = ops.fused_mla_qkv_quant_kv_cache_fp8_insert(
-            q,
-            columns(kv, 0),
-            columns(kv_a, L),
-            kv_c_normed,
-            columns(kv, P),
-            cache,
-            slots,
-            s["q"], s["k"], s["v"], s["cache"],
-            **rope_kw,
-        )
-        # Attention runs on the values the fp8 q, k, v stand for.
-        q, k, v = (q.astype(F32) / s["q"]).astype(act), (k.astype(F32) / s["k"]).astype(act), (v.astype(F32) / s["v"]).astype(act)
-    else:
-        # k_nope and v by two GEMMs: the attention needs v contiguous, which a slice of one
-        # [T, H, 256] product is not (XLA would copy it); slicing the weight copies far less.
-        w = params["kv_b_proj"]
-        k_nope, v = _proj("tl,lhp->thp", kv_c_normed, w[..., :P]), _proj("tl,lhv->thv", kv_c_normed, w[..., P:])
-        insert = ops.fused_mla_key_concat_ds_mla_insert if fmt == "fp8_ds_mla" else ops.fused_mla_key_concat_kv_cache_insert
-        k, q, cache = insert(
-            q,
-            k_nope,
-            columns(kv_a, L),
-            kv_c_normed,
-            cache,
-            slots,
-            **rope_kw,
-        )
-    T = x.shape[0]
+    T, H = x.shape[0], config.num_heads
     if cu_seqlens is None:  # one sequence: S = 1
         cu_seqlens = jnp.array([0, T], jnp.int32)
         block_table = None if block_table is None else block_table[None]
         context_len = None if context_len is None else jnp.reshape(context_len, (1,))
     cu = jnp.asarray(cu_seqlens, jnp.int32)
     lens = jnp.zeros(cu.shape[0] - 1, jnp.int32) if block_table is None else jnp.asarray(context_len, jnp.int32)
-    impl = prefill_attention.choose(attention_impl or config.attention_impl, packed=cu.shape[0] > 2, context=block_table is not None)
-    ctx_k = ctx_v = None
+    packed = cu.shape[0] > 2
+    impl = prefill_attention.choose(attention_impl or config.attention_impl, packed=packed, context=block_table is not None)
+    num_ctx = 0 if block_table is None else context_tokens or block_table.shape[0] * block_table.shape[1] * cache.shape[1]
+    groups = prefill_head_groups(config, T, packed=packed, context_tokens=num_ctx)
+    g = H // groups
+
+    # Shared by all heads: q's latent (x itself without q_lora) and the KV latent.
+    if config.q_lora_rank is None:
+        q_c, w_q = x, params["q_proj"]
+    else:
+        q_c = _rms_norm(_proj("td,dr->tr", x, params["q_a_proj"]), params["q_a_norm"], config.rms_norm_eps)
+        w_q = params["q_b_proj"]
+    kv_a = _proj("td,de->te", x, params["kv_a_proj"])
+    kv_c_normed = _rms_norm(kv_a[:, :L], params["kv_a_norm"], config.rms_norm_eps)
+    # One group reads k_pe in place; with several, only its 64 columns stay alive through the loop.
+    k_pe = columns(kv_a, L) if groups == 1 else kv_a[:, L:]
+
+    def heads(w, i):
+        """Group i's slice of a per-head weight [.., H, ..] (heads on axis 1)."""
+        return w if groups == 1 else jax.lax.dynamic_slice_in_dim(w, i * g, g, axis=1)
+
+    def qkv(i, cache, slots, q_c, kv_c_normed, k_pe):
+        """q, k [T, g, 192] and v [T, g, 128] of group i; the epilogue writes the cache at slots."""
+        q = _proj("tr,rhc->thc", q_c, heads(w_q, i))
+        w = heads(params["kv_b_proj"], i)
+        if fmt == "fp8":
+            kv = _proj("tl,lhc->thc", kv_c_normed, w)  # [T, g, 256] = [k_nope | v]
+            s = params["fp8_scale_inv"]
+            q, k, v, cache = ops.fused_mla_qkv_quant_kv_cache_fp8_insert(
+                q,
+                columns(kv, 0),
+                k_pe,
+                kv_c_normed,
+                columns(kv, P),
+                cache,
+                slots,
+                s["q"], s["k"], s["v"], s["cache"],
+                **rope_kw,
+            )
+            # Attention runs on the values the fp8 q, k, v stand for.
+            q, k, v = (q.astype(F32) / s["q"]).astype(act), (k.astype(F32) / s["k"]).astype(act), (v.astype(F32) / s["v"]).astype(act)
+            return q, k, v, cache
+        # k_nope and v by two GEMMs: the attention needs v contiguous, which a slice of one
+        # [T, g, 256] product is not (XLA would copy it); slicing the weight copies far less.
+        k_nope, v = _proj("tl,lhp->thp", kv_c_normed, w[..., :P]), _proj("tl,lhv->thv", kv_c_normed, w[..., P:])
+        insert = ops.fused_mla_key_concat_ds_mla_insert if fmt == "fp8_ds_mla" else ops.fused_mla_key_concat_kv_cache_insert
+        k, q, cache = insert(q, k_nope, k_pe, kv_c_normed, cache, slots, **rope_kw)
+        return q, k, v, cache
+
+    def context_kv(i, latent, k_pe):
+        """k [C, g, 192] = [k_nope from the latent | its k_pe] and v [C, g, 128] of the cached
+        tokens, for group i. (Two GEMMs, as above: v comes out contiguous.)"""
+        w = heads(params["kv_b_proj"], i)
+        k_nope, v = _proj("sl,lhp->shp", latent, w[..., :P]), _proj("sl,lhv->shv", latent, w[..., P:])
+        return jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, None], (k_pe.shape[0], g, R))], -1), v
+
+    def attend(i, q, k, v, ctx):
+        """Group i's attention output [T, g, 128], gated."""
+        if impl == "blockwise":
+            ctx_k, ctx_v = (None, None) if ctx is None else context_kv(i, *ctx)
+            o = _attention_blockwise(q, k, v, cu, lens, ctx_k, ctx_v, config)
+        else:
+            # The context's k and v are made after the chunk's own attention (ctx_kv), so that
+            # they never live beside the chunk's k and v.
+            o = prefill_attention.cudnn_attention(
+                q, k, v, cu, scale=config.attention_scale, ctx_lens=lens, api=impl,
+                ctx_kv=None if ctx is None else (functools.partial(context_kv, i), ctx),
+            )
+        o = o.astype(act)
+        if not config.output_gate:
+            return o
+        # The gate's GEMM after the attention: its float32 logits never live beside q, k, v.
+        o, x_late = jax.lax.optimization_barrier((o, x))
+        return _gated(o, x_late, heads(params["g_proj"], i))
+
+    # Group 0 (all heads when ungrouped) writes the chunk into the cache.
+    latents = q_c, kv_c_normed, k_pe
+    q, k, v, cache = qkv(0, cache, slots, *latents)
+    ctx = None
     if block_table is not None:
         # The sequences' cached contexts, dequantized and packed back to back: [C, 576].
         ctx = ops.gather_mla_cache(
             cache,
             _layer_tables(block_table, layer, kv_cache.shape[-3]),
             lens,
-            num_tokens=context_tokens or block_table.shape[0] * block_table.shape[1] * cache.shape[1],
+            num_tokens=num_ctx,
             ds_mla=fmt == "fp8_ds_mla",
             cache_scale_inv=params["fp8_scale_inv"]["cache"] if fmt == "fp8" else None,
             out_dtype=act,
         )
-        # k for a cached token = [k_nope from its latent | its k_pe], v from its latent.
-        # (Two GEMMs, as above: v comes out contiguous.)
-        w = params["kv_b_proj"]
-        ctx_k_nope, ctx_v = _proj("sl,lhp->shp", ctx[:, :L], w[..., :P]), _proj("sl,lhv->shv", ctx[:, :L], w[..., P:])
-        ctx_k_pe = jnp.broadcast_to(ctx[:, None, L:], (ctx.shape[0], q.shape[1], R))
-        ctx_k = jnp.concatenate([ctx_k_nope, ctx_k_pe], -1)
-    if impl == "blockwise":
-        o = _attention_blockwise(q, k, v, cu, lens, ctx_k, ctx_v, config)
-    else:
-        o = prefill_attention.cudnn_attention(
-            q, k, v, cu, scale=config.attention_scale, ctx_k=ctx_k, ctx_v=ctx_v, ctx_lens=lens, api=impl
-        )
-    return _output(params, x, o.astype(act), config), cache.reshape(kv_cache.shape)
+        ctx = ctx[:, :L], ctx[:, L:]  # split once: each group reads the latent and k_pe
+    o = attend(0, q, k, v, ctx)
+    if groups > 1:
+        # The other groups one after another in a loop: each group's q, k, v live in its own
+        # iteration only, its gated output goes into o [T, H, 128]. The latents pass a barrier
+        # with o, so a group starts after the one before has finished even where XLA inlines
+        # the loop (a single iteration) or unrolls it. The cache is written already: they hand
+        # the epilogue a one-row stand-in and no valid slot.
+        spare = jnp.zeros((1, 1, cache.shape[-1]), cache.dtype)
+        no_slots = jnp.full_like(slots, -1)
+
+        def group(i, o):
+            o, group_latents = jax.lax.optimization_barrier((o, latents))
+            q, k, v, _ = qkv(i, spare, no_slots, *group_latents)
+            return jax.lax.dynamic_update_slice_in_dim(o, attend(i, q, k, v, ctx), i * g, axis=1)
+
+        o = jax.lax.fori_loop(1, groups, group, jax.lax.dynamic_update_slice_in_dim(jnp.zeros((T, H, V), act), o, 0, axis=1))
+    return _proj("thv,hvd->td", o, params["o_proj"]), cache.reshape(kv_cache.shape)
 
 
 def _attention_blockwise(q, k, v, cu, lens, ctx_k, ctx_v, config):
@@ -364,9 +512,13 @@ def _output(params, x, o, config):
     """o_proj of the attention output o [T, H, 128], gated by sigmoid(x @ g_proj) first (in
     float32) when the config has an output gate."""
     if config.output_gate:
-        gate = jax.nn.sigmoid(jnp.einsum("td,dhv->thv", x, params["g_proj"], preferred_element_type=F32))
-        o = (o.astype(F32) * gate).astype(o.dtype)
+        o = _gated(o, x, params["g_proj"])
     return _proj("thv,hvd->td", o, params["o_proj"])
+
+
+def _gated(o, x, g_proj):
+    """o * sigmoid(x @ g_proj), in float32, rounded to o's dtype."""
+    return (o.astype(F32) * jax.nn.sigmoid(_gate_logits(x, g_proj))).astype(o.dtype)
 
 
 def _layer_tables(block_tables, layer, num_blocks):

@@ -153,7 +153,7 @@ def _merge(o1, lse1, o2, lse2):
     return (o1 * w1[..., None] + o2 * w2[..., None]) / jnp.where(total > 0, total, 1.0)[..., None]
 
 
-def cudnn_attention(q, k, v, cu, *, scale, ctx_k=None, ctx_v=None, ctx_lens=None, api="cudnn"):
+def cudnn_attention(q, k, v, cu, *, scale, ctx_k=None, ctx_v=None, ctx_lens=None, api="cudnn", ctx_kv=None):
     """Prefill attention on cuDNN.
 
     q, k [T, H, 192], v [T, H, 128] in bf16/fp16; cu int32 [S + 1] (S static; tokens past cu[S]
@@ -162,12 +162,18 @@ def cudnn_attention(q, k, v, cu, *, scale, ctx_k=None, ctx_v=None, ctx_lens=None
     ctx_lens int32 [S]. Token j of a sequence's chunk sees all its context and chunk tokens
     0..j. Returns [T, H, 128] in q's dtype; a token that sees nothing gets zeros.
 
+    ``ctx_kv=(fn, args)`` instead of ctx_k and ctx_v: ``ctx_k, ctx_v = fn(*args)``, made only
+    after the chunk's own attention has run (args pass an optimization barrier with its output),
+    so that the chunk's k and v are freed before the context's exist.
+
     ``api="cudnn-public"`` (one sequence, no context) calls jax.nn.dot_product_attention with v
     padded to 192 columns.
     """
     T, H, dv = q.shape[0], q.shape[1], v.shape[-1]
     S = cu.shape[0] - 1
-    context = ctx_k is not None
+    if ctx_kv is not None and ctx_k is not None:
+        raise ValueError("pass ctx_k and ctx_v, or ctx_kv, not both")
+    context = ctx_k is not None or ctx_kv is not None
     if api == "cudnn-public":
         if S != 1 or context:
             raise ValueError("the public jax.nn.dot_product_attention path takes one sequence without cached context")
@@ -197,6 +203,10 @@ def cudnn_attention(q, k, v, cu, *, scale, ctx_k=None, ctx_v=None, ctx_lens=None
         out, stats = call(q, k, v, causal=True)
     if not context:
         return out
+    if ctx_kv is not None:
+        fn, args = ctx_kv
+        out, stats, args = jax.lax.optimization_barrier((out, stats, tuple(args)))
+        ctx_k, ctx_v = fn(*args)
     lse_chunk = _lse_rows(stats, seq, local, live if packed else None)
     # The chunks over their contexts, no mask.
     cap = ctx_k.shape[0]

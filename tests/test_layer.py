@@ -495,10 +495,10 @@ def hidden_copies(hlo):
     return found
 
 
-def lowered_steps(fmt):
+def lowered_steps(fmt, heads=HEADS, head_groups=None):
     """Compiled HLO of the jitted prefill (with context) and decode steps (the shapes of the
     scenarios above, so the compiles are shared)."""
-    config = ml.MLAConfig(hidden_size=HIDDEN, num_heads=HEADS, cache_format=fmt)
+    config = ml.MLAConfig(hidden_size=HIDDEN, num_heads=heads, cache_format=fmt, head_groups=head_groups)
     params = ml.init_params(jax.random.key(7), config)
     cache = ml.allocate_cache(config, NUM_BLOCKS, BLOCK)
     x = jnp.zeros((CHUNK_PAD, HIDDEN), config.dtype)
@@ -543,4 +543,83 @@ def test_hidden_copy_check_can_fail():
 def test_no_hidden_copies_feed_the_epilogues(fmt):
     prefill_hlo, decode_hlo = lowered_steps(fmt)
     assert hidden_copies(prefill_hlo) + hidden_copies(decode_hlo) == []
+    grouped_hlo, _ = lowered_steps(fmt, heads=8, head_groups=4)  # the epilogue in the loop over head groups too
+    assert " while(" in grouped_hlo and hidden_copies(grouped_hlo) == []
 
+
+
+# ---- heads in groups (MLAConfig.head_groups) and what the GPU program holds ----------------
+
+
+@pytest.mark.parametrize("fmt, rope, groups, seed", [("bf16", True, 2, 91), ("fp8", False, 4, 92), ("fp8_ds_mla", True, 2, 93)])
+def test_head_groups_change_nothing(fmt, rope, groups, seed):
+    """Prefill with its heads in groups (group 0 writes the cache, the others run in a loop):
+    against the reference (chunks after a context, packed calls, then decode over what it
+    cached), and against the same run with all heads at once: on the CPU bit for bit (each
+    head's numbers are the same ones)."""
+    run = Run(fmt, rope, seed, head_groups=groups, output_gate=True, attention_block=8)
+    whole = Run(fmt, rope, seed, output_gate=True, attention_block=8)
+    assert ml.prefill_head_groups(run.config, CHUNK_PAD) == groups and ml.prefill_head_groups(whole.config, CHUNK_PAD) == 1
+    same = dict(rtol=0, atol=0 if jax.default_backend() == "cpu" else TOLERANCE[fmt] / 4)
+    for seq, chunks in CHUNKS.items():
+        start = 0
+        for n in chunks:
+            got = run.prefill_chunk(seq, start, n)
+            np.testing.assert_allclose(got, run.expected[seq, start : start + n], rtol=0, atol=TOLERANCE[fmt])
+            np.testing.assert_allclose(got, whole.prefill_chunk(seq, start, n), **same, err_msg="grouped vs all heads")
+            start += n
+    for k in range(DECODE_STEPS):
+        rows, _, got = run.decode(k)
+        for i, r in enumerate(rows):
+            if r is not None:
+                np.testing.assert_allclose(got[i], run.expected[r[0], r[1]], rtol=0, atol=TOLERANCE[fmt], err_msg=f"decode {k}")
+    run.check_untouched()
+    packed_with_context(Run(fmt, rope, seed + 100, head_groups=groups, attention_block=8), TOLERANCE[fmt])
+
+
+def test_head_groups_in_a_layer_stack():
+    run_and_check(Run("fp8_ds_mla", True, 95, num_layers=2, head_groups=2))
+
+
+def test_head_groups_must_divide_the_heads():
+    for bad in (3, 0, -2, 2.0, True):
+        with pytest.raises(ValueError, match="head_groups must be None or a divisor of num_heads=4"):
+            ml.MLAConfig(num_heads=4, head_groups=bad)
+
+
+def gpu_program(config, tokens):
+    """The StableHLO of a jitted prefill step of one ``tokens``-token sequence lowered for CUDA
+    (jax.export: no GPU needed; shapes only), and its dot_generals as (operand dtypes, result
+    type, result elements)."""
+    from jax_kimi_mla import _ffi
+
+    params = jax.eval_shape(functools.partial(ml.init_params, config=config), jax.random.key(0))
+    S = jax.ShapeDtypeStruct
+    args = (params, S((tokens, config.hidden_size), config.dtype), S((tokens,), jnp.int32), S((tokens,), jnp.int32),
+            S((tokens // 64 + 1, 64, ml.ENTRY), config.dtype))
+    unchecked = [jax.export.DisabledSafetyCheck.custom_call(_ffi.target_name(op)) for op in _ffi.OPS]
+    step = jax.jit(functools.partial(ml.prefill, config=config, attention_impl="blockwise"), donate_argnums=4)
+    text = jax.export.export(step, platforms=["cuda"], disabled_checks=unchecked)(*args).mlir_module()
+    dots = []
+    for m in re.finditer(r"stablehlo\.dot_general .*?: \(tensor<([\dx]+)x(\w+)>, tensor<[\dx]+x(\w+)>\) -> tensor<([\dx]+)x(\w+)>", text):
+        dots.append(({m.group(2), m.group(3)}, m.group(5), math.prod(int(n) for n in m.group(4).split("x"))))
+    return text, dots
+
+
+@pytest.mark.parametrize("heads, groups", [(12, 3), (96, 24)])
+def test_the_gpu_program_holds_no_float32_products_nor_all_heads_at_once(heads, groups):
+    """The prefill step as the GPU gets it, at issue 11's sizes (hidden 7168, q_lora 1536, the
+    output gate, T = 8192): every GEMM on bf16 writes bf16 (accumulating in float32 inside),
+    except the gate's logits, float32 for one head group only; no float32 [T, hidden] o_proj
+    product, which made a third of the peak. And the heads run in groups, in a while loop: q and
+    k exist for one group's heads at a time, never for all of them."""
+    T = 8192
+    config = ml.MLAConfig(hidden_size=7168, num_heads=heads, q_lora_rank=1536, output_gate=True)
+    assert ml.prefill_head_groups(config, T) == groups
+    g = heads // groups
+    text, dots = gpu_program(config, T)
+    on_bf16 = [(out, size) for operands, out, size in dots if operands == {"bf16"}]
+    assert len(on_bf16) >= 7 and sum(out == "bf16" for out, _ in on_bf16) >= 6, on_bf16
+    assert all(out == "bf16" or (out == "f32" and size == T * g * ml.V) for out, size in on_bf16), on_bf16
+    assert f"tensor<{T}x{g}x192xbf16>" in text and f"tensor<{T}x{heads}x192x" not in text
+    assert "stablehlo.while" in text

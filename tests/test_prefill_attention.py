@@ -184,6 +184,18 @@ def test_cudnn_plumbing_packed_with_context(fake_gpu):
     assert (fake_gpu.MaskType.PADDING, True, 192) in fake_gpu.calls  # chunk over context, packed
 
 
+def test_cudnn_plumbing_with_head_groups(fake_gpu):
+    """The cuDNN path with the heads in groups (the loop over groups 1..), the context's k and v
+    made through ctx_kv after the chunk's own attention, in every group."""
+    packed_with_context(Run("bf16", False, 67, attention_impl="cudnn", head_groups=2), TOLERANCE["bf16"])
+    run_and_check(Run("fp8", True, 68, attention_impl="cudnn", head_groups=4, output_gate=True))
+    assert (fake_gpu.MaskType.PADDING, True, 192) in fake_gpu.calls
+    q = jnp.zeros((4, 1, 192), jnp.bfloat16)
+    with pytest.raises(ValueError, match="not both"):
+        pa.cudnn_attention(q, q, q[..., :128], jnp.array([0, 4], jnp.int32), scale=1.0, ctx_k=q, ctx_v=q[..., :128],
+                           ctx_lens=jnp.array([4], jnp.int32), ctx_kv=(lambda: (q, q), ()))
+
+
 def test_merge_of_two_parts_is_attention_over_both():
     key = jax.random.split(jax.random.key(3), 3)
     T, H, A, B = 5, 2, 7, 4
