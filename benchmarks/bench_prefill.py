@@ -25,6 +25,7 @@ one sequence at H = 12.
     python -P benchmarks/bench_prefill.py              # all cases (about 3 minutes on an H200)
     python -P benchmarks/bench_prefill.py --quick      # tiny sizes: a smoke run, fine on CPU
     python -P benchmarks/bench_prefill.py --only packed --impl blockwise
+    python -P benchmarks/bench_prefill.py --head-groups auto   # heads in groups (less memory, more time)
 
 Writes results.csv and RESULTS.md (the targets judged PASS/MISS) under --out (default
 benchmarks/results/<platform>-prefill[-quick]).
@@ -98,9 +99,13 @@ FULL = Sizes()
 QUICK = Sizes(hidden=256, cases=(Case(2, 1, 64), Case(2, 4, 16), Case(2, 4, 16, 40), Case(2, 1, 128)), matmul=256)
 
 
+# MLAConfig.head_groups of every case (--head-groups: a number, or "auto" for the size rule).
+HEAD_GROUPS: int | None = 1
+
+
 def config_of(case: Case, sizes: Sizes, impl: str) -> layer.MLAConfig:
     return layer.MLAConfig(hidden_size=sizes.hidden, num_heads=case.heads, q_lora_rank=Q_LORA_RANK, output_gate=True,
-                           attention_impl=impl)
+                           attention_impl=impl, head_groups=HEAD_GROUPS)
 
 
 # ---- inputs ----
@@ -246,7 +251,8 @@ def peak_of(case: Case, sizes: Sizes, impl: str, quick: bool) -> int | None:
     """Peak device bytes of a fresh process that runs one step of the case (None on the CPU)."""
     if jax.devices()[0].memory_stats() is None:
         return None
-    command = [sys.executable, "-P", __file__, "--memory-of", case.name, "--impl", impl, *(["--quick"] if quick else [])]
+    command = [sys.executable, "-P", __file__, "--memory-of", case.name, "--impl", impl,
+               "--head-groups", "auto" if HEAD_GROUPS is None else str(HEAD_GROUPS), *(["--quick"] if quick else [])]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     lines = [ln for ln in result.stdout.splitlines() if ln.startswith("{")]
     if result.returncode or not lines:
@@ -376,9 +382,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, help="output directory (default: benchmarks/results/<platform>-prefill[-quick])")
     parser.add_argument("--only", help="comma-separated substrings of case names, e.g. packed,32768")
     parser.add_argument("--impl", choices=prefill_attention.IMPLS, default="auto", help="the layer's attention_impl")
+    parser.add_argument("--head-groups", default="1",
+                        help="the layer's head_groups: a number (a divisor of every case's heads), or auto (the size rule)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     parser.add_argument("--memory-of", help=argparse.SUPPRESS)  # internal: the subprocess of one case
     opts = parser.parse_args(argv)
+    global HEAD_GROUPS
+    HEAD_GROUPS = None if opts.head_groups == "auto" else int(opts.head_groups)
     sizes = QUICK if opts.quick else FULL
     if opts.memory_of:
         memory_of(opts.memory_of, sizes, opts.impl)

@@ -5,9 +5,9 @@ v [T, H, 128], causal attention over the new tokens plus, for a later chunk of a
 sequence's cached tokens (read back with ``gather_mla_cache`` and up-projected through
 kv_b_proj). The attention runs on cuDNN's flash attention where the GPU has it, else blockwise
 (online softmax over tiles of ``config.attention_block`` queries and keys); either way memory grows
-with T, not T^2 (``config.attention_impl``, :mod:`jax_kimi_mla.prefill_attention`). For long chunks the heads run
-in groups, one after another (``config.head_groups``, :func:`prefill_head_groups`), so that q, k and v of all heads never
-exist at once; the GEMMs write the activation dtype (float32 accumulation inside), never a float32
+with T, not T^2 (``config.attention_impl``, :mod:`jax_kimi_mla.prefill_attention`). On request the heads run
+in groups, one after another (``config.head_groups``; None: :func:`prefill_head_groups`'s size rule), so that q, k and v
+of all heads never exist at once, for less memory and more time; the GEMMs write the activation dtype (float32 accumulation inside), never a float32
 product (docs/PREFILL.md, "Memory"). Decode runs the absorbed form: W_UK
 folded into the query (ql_nope [B, H, 512]), ``mla_decode_attention`` of mqa_q [B, (S_q,) H, 576]
 over the paged latent cache, W_UV after. Optional: an output gate (Kimi-K3), q projected without
@@ -85,8 +85,10 @@ class MLAConfig:
     attention_impl: str = "auto"
     # Prefill runs its heads in this many groups (a divisor of num_heads), one after another, so
     # that q, k, v of all heads never exist at once; None: the fewest groups that keep the step's
-    # estimated temporaries within bounds (:func:`prefill_head_groups`, docs/PREFILL.md).
-    head_groups: int | None = None
+    # estimated temporaries within bounds (:func:`prefill_head_groups`). 1 by default: on the
+    # H200 the rule's groups cut the peak to 1.48-1.61x its budget but cost 12-42% of step time
+    # (docs/PREFILL.md, "Memory"), a trade a server makes only when memory is what it lacks.
+    head_groups: int | None = 1
 
     @property
     def attention_scale(self) -> float:

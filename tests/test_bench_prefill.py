@@ -2,6 +2,7 @@
 times are wall clock and its judgements mean nothing) and writes its CSV and RESULTS.md."""
 
 import csv
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +24,9 @@ def test_bench_prefill_quick_smoke_run(tmp_path):
 
 def test_the_layer_expects_every_full_size_case_under_the_memory_target():
     """The layer's estimate of its temporaries (layer.prefill_temp_bytes, with the head groups
-    layer.prefill_head_groups picks) over the bench's budget, for every full-size case of issue 11:
-    under the 1.5x target, by the margin the rule keeps for what it leaves out. With all heads at
+    layer.prefill_head_groups picks for head_groups=None) over the bench's budget, for every
+    full-size case of issue 11: under the 1.5x target, by the margin the rule keeps for what it
+    leaves out. (The H200 measured 1.48-1.61x with these groups: the model runs 0.1-0.2 low.) With all heads at
     once, the H = 96 cases would be far over it (2.5-3.4x): there the heads run in groups."""
     import importlib.util
 
@@ -34,7 +36,7 @@ def test_the_layer_expects_every_full_size_case_under_the_memory_target():
     bench = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
     spec.loader.exec_module(bench)
     for case in bench.FULL.cases:
-        config = bench.config_of(case, bench.FULL, "auto")
+        config = dataclasses.replace(bench.config_of(case, bench.FULL, "auto"), head_groups=None)
         shape = dict(packed=case.seqs > 1, context_tokens=case.seqs * case.context)
         budget = bench.budget_bytes(case, bench.FULL, "auto")
         groups = layer.prefill_head_groups(config, case.tokens, **shape)

@@ -611,10 +611,11 @@ def test_the_gpu_program_holds_no_float32_products_nor_all_heads_at_once(heads, 
     """The prefill step as the GPU gets it, at issue 11's sizes (hidden 7168, q_lora 1536, the
     output gate, T = 8192): every GEMM on bf16 writes bf16 (accumulating in float32 inside),
     except the gate's logits, float32 for one head group only; no float32 [T, hidden] o_proj
-    product, which made a third of the peak. And the heads run in groups, in a while loop: q and
-    k exist for one group's heads at a time, never for all of them."""
+    product, which made a third of the peak. And with the size rule (head_groups=None) the heads
+    run in groups, in a while loop: q and k exist for one group's heads at a time, never for all
+    of them."""
     T = 8192
-    config = ml.MLAConfig(hidden_size=7168, num_heads=heads, q_lora_rank=1536, output_gate=True)
+    config = ml.MLAConfig(hidden_size=7168, num_heads=heads, q_lora_rank=1536, output_gate=True, head_groups=None)
     assert ml.prefill_head_groups(config, T) == groups
     g = heads // groups
     text, dots = gpu_program(config, T)

@@ -44,14 +44,15 @@
 //      float32, four independent accumulator chains. Each half writes its partial logits
 //      (scaled, and -inf where the token is masked or unseen, in both halves) to its own
 //      16 x 64 array; the softmax adds the two.
-//    - Online softmax in base 2 (logits pre-multiplied by log2 e, exp2f): every warp computes the
-//      same row maxima, probabilities and sums for all 16 rows from the two partial arrays
-//      (identical operations on identical data, so bit-identical across warps).
+//    - Online softmax in base 2 (logits pre-multiplied by log2 e, exp2f): warp w owns rows 2w and
+//      2w + 1 (16 lanes a row, 4 tokens a lane), adds the two partial arrays, and writes the
+//      row's probabilities in the MMA element type over its logits (the P tile) and its rescaling
+//      factor to shared memory; the row's max and sum stay in its lanes until the end.
 //    - P.V: warp w owns output columns [64w, 64w + 64): O[16 x 64] += P[16 x 64] V[64 x 64], V
 //      being the first 512 columns of the 16-bit tile or the converted V tile (transposed
-//      ldmatrix), P built in registers.
-//    - Two barriers per tile: the tile has landed (and every warp is done with the previous one);
-//      the logits (and the V tile) are complete.
+//      ldmatrix), P read from the P tile with ldmatrix.
+//    - Three barriers per tile: the tile has landed (and every warp is done with the previous
+//      one); the logits (and the V tile) are complete; the P tile is complete.
 //    - End: one split writes out (rounded to the output dtype) and lse directly; several splits
 //      each write their partial (512 normalized floats, then the natural-log lse; -inf and zeros
 //      for a row that saw no token of the split). A CTA whose split starts at or past the length
@@ -75,9 +76,9 @@
 // refuses GPUs below sm_90 (A100: 163 KB, and no TMA) with an error naming the reference.
 //
 // History and measurements (H200): docs/DECODE_ATTENTION.md. At H = 12, B = 64, context 16k:
-// bf16 326 us (87% of the copy ceiling), plain fp8 319 us (44%), fp8_ds_mla 384 us (42%). The
-// 1-byte formats are bound by the latency of a tile's chain of phases (about 2.6 us per tile)
-// and the instructions of the conversion. The split count is the caller's choice: one CTA per SM, so
+// bf16 304 us (about 93% of the copy ceiling), plain fp8 275 us (51%), fp8_ds_mla 345 us (47%).
+// Every format is bound by the latency of a tile's chain of phases in one CTA (2.2-2.8 us per
+// tile), which bf16's bytes nearly match and the 1-byte formats' do not. The split count is the caller's choice: one CTA per SM, so
 // num_splits * ceil(S_q*H / 16) * B should reach the SM count.
 #include <cuda.h>  // CUtensorMap (the driver is reached through the runtime: no link to libcuda)
 #include <cudaTypedefs.h>
@@ -152,7 +153,8 @@ struct Layout {
   static constexpr int kEntries = kScores + kColumnHalves * kTileRows * kScoreStride * 4;  // int64 [kStages][64]
   static constexpr int kZeroRows = kEntries + kStages * kTileTokens * 8;  // uint64 [kStages] (16-bit)
   static constexpr int kBarriers = kZeroRows + 32;                         // uint64 [kStages], 32 B
-  static constexpr int kVTile = kBarriers + 32;                            // [64][kVRowBytes] (1-byte)
+  static constexpr int kStats = kBarriers + 32;                            // RowStats
+  static constexpr int kVTile = kStats + (int(sizeof(float)) * 3 * kTileRows + 15) / 16 * 16;  // [64][kVRowBytes] (1-byte)
   static constexpr int kBytes = kVTile + (kConverts ? kTileTokens * kVRowBytes : 0);
   static_assert(kEntryBytes % 16 == 0 && kRawTileBytes % 1024 == 0 && kScores % 16 == 0 &&
                 kEntries % 16 == 0 && kStages * 8 <= 32 && kQ % 16 == 0 && kVTile % 16 == 0);
@@ -223,11 +225,6 @@ template <ActType kElem>
 __device__ __forceinline__ float elem_to_f32(uint16_t h) {
   if constexpr (kElem == ActType::kBF16) return bf16_to_f32(h);
   else return __half2float(__ushort_as_half(h));
-}
-
-template <ActType kElem>
-__device__ __forceinline__ float round_to_elem(float x) {
-  return elem_to_f32<kElem>(uint16_t(pack_elems<kElem>(x, 0.0f)));
 }
 
 // x * y on each half, rounded to nearest even; subnormals kept. sm_80 has no bf16x2 multiply:
@@ -757,73 +754,70 @@ __device__ __forceinline__ void write_logits(const Lane& t, const float (&acc)[2
   }
 }
 
-// The logits of row `row`, tokens token, token + 1: the sum of the two halves' partials.
-__device__ __forceinline__ float2 logit_pair(const float* scores, int row, int token) {
-  const float2 a = *reinterpret_cast<const float2*>(scores + row * kScoreStride + token);
-  const float2 b =
-      *reinterpret_cast<const float2*>(scores + (kTileRows + row) * kScoreStride + token);
-  return make_float2(a.x + b.x, a.y + b.y);
-}
+// ---- Softmax: warp w owns rows 2w and 2w + 1 of the tile ----
+//
+// Lane l takes row 2w + l / 16, tokens 4 (l % 16) .. + 3: it adds the two halves' partial logits,
+// the 16 lanes of the row agree on its maximum, and the lane writes its 4 probabilities, in the
+// MMA element type, over the row's logits (the P tile: row r at scores + r * kScoreStride, 64
+// elements), and lane 0 of the row its rescaling factor (alpha). Each row's softmax is computed
+// once, not by every warp (which had put 8 x 32 exp2 per tile on the critical path).
 
-// Running softmax state of rows g and g + 8 (identical in the 4 lanes of a quad and in every
-// warp): the running max of base-2 logits, and this lane's share of the running sum.
+// Running softmax state of this lane's row (the max identical in its 16 lanes; each lane sums its
+// own tokens).
 struct RowState {
-  float max[2] = {-INFINITY, -INFINITY};
-  float sum[2] = {0.0f, 0.0f};
+  float max = -INFINITY;
+  float sum = 0.0f;
 };
 
-// One tile's softmax step: rescales `out` and `state`, returns P as A fragments of the P.V MMA
-// (p[k] for tokens [16k, 16k + 16)) and the offsets the probabilities were taken against.
+// Shared per-row values: the tile's alpha while the tiles run, then the row's max and sum.
+struct RowStats {
+  float alpha[kTileRows];
+  float max[kTileRows], sum[kTileRows];
+};
+
+__device__ __forceinline__ int softmax_row(const Lane& t) { return 2 * t.warp + t.lane / 16; }
+
 template <ActType kElem>
-__device__ __forceinline__ void softmax_tile(const Lane& t, const float* scores, RowState& state,
-                                             float (&out)[kOutBlocks][4], uint32_t (&p)[kPvSteps][4],
-                                             float (&offset)[2]) {
-  // logit[k][i] in A-fragment order: i = 0,1 row g, 2,3 row g + 8, columns 16k + 2c (+1); i =
-  // 4..7 the same at columns 16k + 8 + 2c. Row of i: (i >> 1) & 1.
-  float logit[kPvSteps][8];
+__device__ __forceinline__ void softmax_rows(const Lane& t, float* scores, RowState& state, RowStats& stats) {
+  static_assert(kWarps * 2 == kTileRows && kTileTokens == 16 * 4, "2 rows per warp, 4 tokens per lane");
+  const int row = softmax_row(t), token = 4 * (t.lane % 16);
+  float* logits = scores + row * kScoreStride + token;
+  const float4 a = *reinterpret_cast<const float4*>(logits);
+  const float4 b = *reinterpret_cast<const float4*>(logits + kTileRows * kScoreStride);
+  const float logit[4] = {a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w};
+  // fmaxf skips NaN: a NaN logit propagates through its p.
+  float tile_max = fmaxf(fmaxf(logit[0], logit[1]), fmaxf(logit[2], logit[3]));
 #pragma unroll
-  for (int k = 0; k < kPvSteps; ++k)
+  for (int m = 8; m > 0; m /= 2) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xFFFFFFFFu, tile_max, m));
+  const float new_max = fmaxf(state.max, tile_max);
+  // A row that has seen nothing yet keeps p = 0 (exp2(-inf - 0)), never -inf - -inf.
+  const float offset = new_max == -INFINITY ? 0.0f : new_max;
+  const float alpha = exp2f(state.max - offset);
+  state.max = new_max;
+  float e[4];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int col = 16 * k + 8 * half + 2 * t.c;
-      const float2 lo = logit_pair(scores, t.g, col);
-      const float2 hi = logit_pair(scores, t.g + 8, col);
-      logit[k][4 * half + 0] = lo.x, logit[k][4 * half + 1] = lo.y;
-      logit[k][4 * half + 2] = hi.x, logit[k][4 * half + 3] = hi.y;
-    }
-  float tile_max[2] = {-INFINITY, -INFINITY};  // fmaxf skips NaN: a NaN logit propagates through p
+  for (int i = 0; i < 4; ++i) e[i] = exp2f(logit[i] - offset);
+  state.sum = state.sum * alpha + ((e[0] + e[1]) + (e[2] + e[3]));
+  __syncwarp();  // every lane of the row has read its logits before P overwrites them
+  *reinterpret_cast<uint2*>(reinterpret_cast<uint8_t*>(scores + row * kScoreStride) + 2 * token) =
+      make_uint2(pack_elems<kElem>(e[0], e[1]), pack_elems<kElem>(e[2], e[3]));
+  if (t.lane % 16 == 0) stats.alpha[row] = alpha;
+}
+
+// After the loop: the row's max and sum (its 16 lanes' sums) to the shared stats.
+__device__ __forceinline__ void publish_row_state(const Lane& t, const RowState& state, RowStats& stats) {
+  float sum = state.sum;
 #pragma unroll
-  for (int k = 0; k < kPvSteps; ++k)
+  for (int m = 8; m > 0; m /= 2) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, m);
+  if (t.lane % 16 == 0) stats.max[softmax_row(t)] = state.max, stats.sum[softmax_row(t)] = sum;
+}
+
+// The P tile's A fragments of the P.V MMA (p[k] for tokens [16k, 16k + 16)).
+__device__ __forceinline__ void load_p_fragments(const Lane& t, const float* scores, uint32_t (&p)[kPvSteps][4]) {
+  const uint32_t addr = smem_addr(scores) + ((t.lane & 7) + ((t.lane >> 3) & 1) * 8) * (kScoreStride * 4) +
+                        (t.lane >> 4) * 16;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) tile_max[(i >> 1) & 1] = fmaxf(tile_max[(i >> 1) & 1], logit[k][i]);
-  float alpha[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xFFFFFFFFu, tile_max[h], 1));
-    tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xFFFFFFFFu, tile_max[h], 2));
-    const float new_max = fmaxf(state.max[h], tile_max[h]);
-    // A row that has seen nothing yet keeps p = 0 (exp2(-inf - 0)), never -inf - -inf.
-    offset[h] = new_max == -INFINITY ? 0.0f : new_max;
-    alpha[h] = exp2f(state.max[h] - offset[h]);
-    state.max[h] = new_max;
-    state.sum[h] *= alpha[h];
-  }
-#pragma unroll
-  for (int n = 0; n < kOutBlocks; ++n)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) out[n][i] *= alpha[i >> 1];
-#pragma unroll
-  for (int k = 0; k < kPvSteps; ++k) {
-    float e[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int h = (i >> 1) & 1;
-      e[i] = exp2f(logit[k][i] - offset[h]);
-      state.sum[h] += e[i];
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) p[k][j] = pack_elems<kElem>(e[2 * j], e[2 * j + 1]);
-  }
+  for (int k = 0; k < kPvSteps; ++k) ldmatrix_x4(p[k], addr + k * 32);
 }
 
 // The V tile of P.V: the swizzled 16-bit tile itself, or a 1-byte format's converted tile of
@@ -838,12 +832,12 @@ struct VTile {
 };
 
 // Tokens [lo, hi) of the tile (tile-relative) are seen by some rows of the CTA and not by others.
-// Their values are added here, in float32, to the rows that see them (p rounded as the MMA would
-// round it), then zeroed in this warp's columns of the V tile so that the MMA adds nothing for
+// Their values are added here, in float32, to the rows that see them (p from the P tile, as the
+// MMA would take it), then zeroed in this warp's columns of the V tile so that the MMA adds nothing for
 // them (each warp reads only its own columns of V after the logits are complete).
 template <ActType kElem, typename V>
 __device__ void add_partly_seen(const Lane& t, int lo, int hi, int64_t tile_first,
-                                const float* scores, const float (&offset)[2], uint8_t* kv,
+                                const float* scores, uint8_t* kv,
                                 float (&out)[kOutBlocks][4]) {
   constexpr int kPieces = kColsPerWarp / 8;  // this warp's 16-byte pieces of a row
   for (int token = lo; token < hi; ++token) {
@@ -852,9 +846,7 @@ __device__ void add_partly_seen(const Lane& t, int lo, int hi, int64_t tile_firs
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       seen[h] = tile_first + token < t.visible[h];
-      const float logit = scores[(t.g + 8 * h) * kScoreStride + token] +
-                          scores[(kTileRows + t.g + 8 * h) * kScoreStride + token];
-      p[h] = round_to_elem<kElem>(exp2f(logit - offset[h]));
+      p[h] = elem_to_f32<kElem>(reinterpret_cast<const uint16_t*>(scores + (t.g + 8 * h) * kScoreStride)[token]);
     }
 #pragma unroll
     for (int n = 0; n < kOutBlocks; ++n) {
@@ -900,19 +892,17 @@ __device__ __forceinline__ void pv_accumulate(const Lane& t, const uint32_t (&p)
 
 // Rows g and g + 8: normalized output and lse, to out/lse (one split) or to the split's partial.
 __device__ __forceinline__ void write_rows(const DecodeAttention& a, const Work& w, const Lane& t,
-                                           const Scales& scales, const RowState& state,
+                                           const Scales& scales, const RowStats& stats,
                                            const float (&out)[kOutBlocks][4]) {
   const int64_t rows = a.rows();
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float sum = state.sum[h];
-    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
-    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
+    const float sum = stats.sum[t.g + 8 * h];
     const int64_t r = w.row0 + t.g + 8 * h;
     if (r >= rows) continue;
     const bool empty = sum == 0.0f;  // saw no visible unmasked token; a NaN sum is not empty
     const float norm = empty ? 0.0f : scales.out / sum;
-    const float lse = empty ? -INFINITY : (state.max[h] + log2f(sum)) * kLn2;
+    const float lse = empty ? -INFINITY : (stats.max[t.g + 8 * h] + log2f(sum)) * kLn2;
     const int col = t.warp * kColsPerWarp + 2 * t.c;
     const bool lse_writer = t.warp == 0 && t.c == 0;
     if (a.num_splits == 1) {
@@ -1010,7 +1000,8 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, int64_t b
   uint32_t parity = 0;  // bit s: the phase of stage s's mbarrier that the next wait expects
 
   float out[kOutBlocks][4] = {};
-  RowState state;
+  RowState state;  // of row softmax_row(t)
+  RowStats& stats = *reinterpret_cast<RowStats*>(smem + L::kStats);
   int slot = 0;  // tile % kStages: its stage and its entries
   for (int64_t tile = 0; tile < w.n_tiles; ++tile) {
     mbarrier_wait(stage_full + slot, (parity >> slot) & 1);
@@ -1052,18 +1043,25 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, int64_t b
     __syncthreads();
     if (threadIdx.x < kTileTokens) tile_rows[slot * kTileTokens + threadIdx.x] = row_ahead;
 
+    softmax_rows<kElem>(t, scores, state, stats);
+    __syncthreads();  // the P tile and the rows' alphas are complete
+#pragma unroll
+    for (int n = 0; n < kOutBlocks; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) out[n][i] *= stats.alpha[t.g + 8 * (i >> 1)];
     uint32_t p[kPvSteps][4];
-    float offset[2];
-    softmax_tile<kElem>(t, scores, state, out, p, offset);
+    load_p_fragments(t, scores, p);
     const int64_t partly_lo = max64(seen_by_all, tile_first);
     const int64_t partly_hi = min64(seen_by_any, tile_first + kTileTokens);
     if (partly_lo < partly_hi)
       add_partly_seen<kElem, V>(t, int(partly_lo - tile_first), int(partly_hi - tile_first), tile_first,
-                                scores, offset, kv, out);
+                                scores, kv, out);
     pv_accumulate<kElem, V>(t, p, kv, out);
     slot = slot + 1 == kStages ? 0 : slot + 1;
   }
-  write_rows(a, w, t, scales, state, out);
+  publish_row_state(t, state, stats);
+  __syncthreads();
+  write_rows(a, w, t, scales, stats, out);
 }
 
 template <CacheFormat kFormat, ActType kElem>
