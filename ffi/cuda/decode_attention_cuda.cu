@@ -253,7 +253,7 @@ __device__ __forceinline__ uint32_t e4m3x2_exact(uint32_t h) {
   if constexpr (kElem == ActType::kBF16)
     return mul_elems<kElem>((h & 0x80008000u) | ((h >> 4) & 0x07F007F0u), 0x7B807B80u);  // 2^120
   else
-    return mul_elems<kElem>((h & 0x80008000u) | ((h >> 1) & 0x3F803F80u), 0x5C005C00u);  // 2^8
+    return mul_elems<kElem>(e4m3x2_placed_f16x2(h), 0x5C005C00u);  // 2^8
 }
 
 // The halves of v whose code (high byte of the same half of h) is a NaN become the element NaN.
@@ -264,25 +264,6 @@ __device__ __forceinline__ uint32_t patch_nan_codes(uint32_t v, uint32_t h) {
   const uint32_t mask = is_nan * 0xFFFFu;
   return (v & ~mask) | (nan & mask);
 }
-
-// Bit 7 of byte i is set where code i is a NaN (the other bits are noise): or-ed over many words,
-// then tested with & 0x80808080.
-__device__ __forceinline__ uint32_t nan_code_bits(uint32_t codes4) {
-  return (codes4 & 0x7F7F7F7Fu) + 0x01010101u;
-}
-
-__device__ __forceinline__ bool has_nan_code(uint32_t codes4) {
-  return (nan_code_bits(codes4) & 0x80808080u) != 0;
-}
-
-#if JKM_HARDWARE_FP8
-// sm_89+: the hardware converter, one instruction per pair (E4M3 -> f16 is exact, NaN stays NaN).
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint16_t codes) {  // first code lowest
-  uint32_t d;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(d) : "h"(codes));
-  return d;
-}
-#endif
 
 // Whether e4m3x8_placed turns NaN codes into NaN by itself (the hardware converter); the bit
 // placement turns them into +-480 instead.
@@ -317,7 +298,7 @@ __device__ __forceinline__ uint4 e4m3x8_placed(uint2 codes) {
 template <ActType kElem>
 __device__ __forceinline__ uint4 e4m3x8_exact(uint2 codes) {
   uint4 v = e4m3x8_placed<kElem>(codes);
-  if (!placed_keeps_nan<kElem>() && (has_nan_code(codes.x) || has_nan_code(codes.y))) {
+  if (!placed_keeps_nan<kElem>() && (e4m3_has_nan(codes.x) || e4m3_has_nan(codes.y))) {
     v = make_uint4(patch_nan_codes<kElem>(v.x, __byte_perm(codes.x, 0, 0x1404)),
                    patch_nan_codes<kElem>(v.y, __byte_perm(codes.x, 0, 0x3424)),
                    patch_nan_codes<kElem>(v.z, __byte_perm(codes.y, 0, 0x1404)),
@@ -698,8 +679,8 @@ __device__ __forceinline__ void qk_tile_raw(const Lane& t, const uint32_t (&q)[k
         uint4 lo = e4m3x8_placed<kElem>(make_uint2(codes.x, codes.y));
         uint4 hi = e4m3x8_placed<kElem>(make_uint2(codes.z, codes.w));
         if (!placed_keeps_nan<kElem>())
-          nan_bits[n] |= nan_code_bits(codes.x) | nan_code_bits(codes.y) | nan_code_bits(codes.z) |
-                         nan_code_bits(codes.w);
+          nan_bits[n] |= e4m3_nan_bits(codes.x) | e4m3_nan_bits(codes.y) | e4m3_nan_bits(codes.z) |
+                         e4m3_nan_bits(codes.w);
         if constexpr (kDsMla) {  // columns 64j + 16c.. share the scale of tile j / 2
           const uint32_t sc = scale2[n][j / 2 < kLatent / kDsMlaTile ? j / 2 : 0];  // (j < 8 here)
           lo = make_uint4(mul_elems<kElem>(lo.x, sc), mul_elems<kElem>(lo.y, sc),

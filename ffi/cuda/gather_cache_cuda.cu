@@ -35,12 +35,14 @@ constexpr int kMinBlocksPerSm = 4;  // at most 64 registers: 32 warps per SM kee
 constexpr int kMainGroups = 64;     // groups 0..63 of a row: lanes l and l + 32; ds_mla: the latent
 constexpr int64_t kMaxSharedBytes = 227 * 1024;
 
-// Rows per warp batch; the 8 tail groups (64..71) of the 4 rows are one load per lane. A lane has
+// Rows per warp batch; the 8 tail groups (64..71) of the 4 rows are one load per lane (group
+// 64 + lane % 8 of row lane / 8). A lane has
 // 144 bytes of loads in flight per batch with a 16-bit cache (9 loads of 16 bytes), 72 with plain
 // fp8 (9 of 8 codes), 112 with ds_mla (8 of codes, their 8 tile scales, one of k_pe). Measured on
 // the H200 (benchmarks/bench_attention.py --only gather): 8 rows for plain fp8 was no faster (its
 // 64 registers then spill), 8 rows with 128 registers neither.
 constexpr int kRows = 4;
+static_assert(kRows * 8 == 32, "a batch's tail groups are one per lane");
 
 // The value of an E4M3 code as codes_to_f32 gives it, in units of the code's value.
 #if JKM_HARDWARE_FP8
@@ -126,16 +128,15 @@ __device__ __forceinline__ void store_16bit(uint8_t* dst, const Raw16& raw) {
 
 // ---- E4M3 codes ----
 
-// Whether one of the 8 codes is a NaN (low 7 bits all ones: adding 1 carries into bit 7).
+// Whether one of the 8 codes is a NaN.
 __device__ __forceinline__ bool has_nan_code(uint2 c) {
-  return ((((c.x & 0x7F7F7F7Fu) + 0x01010101u) | ((c.y & 0x7F7F7F7Fu) + 0x01010101u)) & 0x80808080u) != 0;
+  return ((e4m3_nan_bits(c.x) | e4m3_nan_bits(c.y)) & 0x80808080u) != 0;
 }
 
 // Eight codes (the first in the lowest byte) as float32 values, code value * kCodeUnit exactly;
 // NaN codes are not handled (their groups take the reference path). sm_89+: the hardware pair
-// converter to f16 (exact). Otherwise s.eeee.mmm is placed with its sign at the f16 sign bit and
-// eeee.mmm at the top of the exponent and mantissa fields: an f16 of value * 2^-8, subnormal
-// codes included. f16 to float32 is exact.
+// converter to f16 (exact); otherwise the codes placed as f16 values * 2^-8 (e4m3x2_placed_f16x2).
+// f16 to float32 is exact.
 __device__ __forceinline__ void codes_to_f32(uint2 c, float x[8]) {
   const uint32_t w[2] = {c.x, c.y};
 #pragma unroll
@@ -143,11 +144,10 @@ __device__ __forceinline__ void codes_to_f32(uint2 c, float x[8]) {
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
 #if JKM_HARDWARE_FP8
-      uint32_t h;
-      asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h) : "h"(uint16_t(w[k] >> (16 * p))));
+      const uint32_t h = e4m3x2_to_f16x2(uint16_t(w[k] >> (16 * p)));
 #else
-      const uint32_t t = __byte_perm(w[k], 0, p == 0 ? 0x1404 : 0x3424);  // codes in the halves' high bytes
-      const uint32_t h = (t & 0x80008000u) | ((t >> 1) & 0x3F803F80u);
+      // The codes in the halves' high bytes.
+      const uint32_t h = e4m3x2_placed_f16x2(__byte_perm(w[k], 0, p == 0 ? 0x1404 : 0x3424));
 #endif
       const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
       x[4 * k + 2 * p] = f.x, x[4 * k + 2 * p + 1] = f.y;
@@ -229,8 +229,6 @@ __device__ __forceinline__ const uint8_t* shfl_entry(const uint8_t* e, int src) 
 
 template <CacheFormat kFormat, ActType kCache16, OutType kOut>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) gather_kernel(GatherCache g) {
-  constexpr int R = kRows;
-  constexpr int kTails = R / 4;  // tail loads per lane: group 64 + lane % 8 of rows lane / 8 + 4j
   constexpr bool kCodes = kFormat != CacheFormat::kBf16;
   extern __shared__ int64_t first_row[];  // [batch + 1]: the sequences' first output rows
   __shared__ int64_t warp_sums[kWarps];
@@ -270,14 +268,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) gather_kernel(Gathe
 
   const int64_t stride = int64_t(gridDim.x) * kWarps;
   int64_t batch = int64_t(blockIdx.x) * kWarps + warp;
-  const uint8_t* entry = lane < R ? row_entry(g, first_row, filled, batch * R + lane) : nullptr;
-  for (; batch * R < g.num_tokens; batch += stride) {
-    const int64_t base = batch * R;
+  const uint8_t* entry = lane < kRows ? row_entry(g, first_row, filled, batch * kRows + lane) : nullptr;
+  for (; batch * kRows < g.num_tokens; batch += stride) {
+    const int64_t base = batch * kRows;
     const unsigned live = __ballot_sync(0xFFFFFFFFu, entry != nullptr);  // bit i: row base + i reads
-    Raw16 main[2 * R], tail[kTails];
-    float scale[2 * R];  // ds_mla: the tile scale of each main group
+    Raw16 main[2 * kRows], tail;
+    float scale[2 * kRows];  // ds_mla: the tile scale of each main group
 #pragma unroll
-    for (int i = 0; i < R; ++i) {
+    for (int i = 0; i < kRows; ++i) {
       const uint8_t* e = shfl_entry(entry, i);
       if (e == nullptr) continue;
 #pragma unroll
@@ -293,25 +291,22 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) gather_kernel(Gathe
         }
       }
     }
-#pragma unroll
-    for (int j = 0; j < kTails; ++j) {
-      const uint8_t* e = shfl_entry(entry, lane / 8 + 4 * j);
-      if (e == nullptr) continue;
-      const int group = kMainGroups + lane % 8;
+    const int tail_row = lane / 8, tail_group = kMainGroups + lane % 8;
+    if (const uint8_t* e = shfl_entry(entry, tail_row); e != nullptr) {
       if constexpr (kFormat == CacheFormat::kFp8) {
-        const uint2 v = __ldg(reinterpret_cast<const uint2*>(e + 8 * group));
-        tail[j].w[0] = v.x, tail[j].w[1] = v.y;
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(e + 8 * tail_group));
+        tail.w[0] = v.x, tail.w[1] = v.y;
       } else if constexpr (kFormat == CacheFormat::kFp8DsMla) {
-        tail[j] = load16(e + kDsMlaPeOffset + 16 * (group - kMainGroups));
+        tail = load16(e + kDsMlaPeOffset + 16 * (tail_group - kMainGroups));
       } else {
-        tail[j] = load16(e + 16 * group);
+        tail = load16(e + 16 * tail_group);
       }
     }
     // The next batch's entries, while this batch's loads are in flight.
-    entry = lane < R ? row_entry(g, first_row, filled, (batch + stride) * R + lane) : nullptr;
+    entry = lane < kRows ? row_entry(g, first_row, filled, (batch + stride) * kRows + lane) : nullptr;
 
 #pragma unroll
-    for (int i = 0; i < R; ++i) {
+    for (int i = 0; i < kRows; ++i) {
       const int64_t r = base + i;
       if (r >= g.num_tokens) break;
 #pragma unroll
@@ -327,18 +322,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) gather_kernel(Gathe
         }
       }
     }
-#pragma unroll
-    for (int j = 0; j < kTails; ++j) {
-      const int i = lane / 8 + 4 * j;
-      const int64_t r = base + i;
-      if (r >= g.num_tokens) continue;
-      uint8_t* dst = group_dst<kOut>(g.out, r, kMainGroups + lane % 8);
-      if (!(live >> i & 1u))
+    if (base + tail_row < g.num_tokens) {
+      uint8_t* dst = group_dst<kOut>(g.out, base + tail_row, tail_group);
+      if (!(live >> tail_row & 1u))
         store_zeros(dst, kOut == OutType::kF32);
       else if constexpr (kFormat == CacheFormat::kFp8)
-        store_codes<kFormat, kOut>(dst, make_uint2(tail[j].w[0], tail[j].w[1]), 0.0f, div);
+        store_codes<kFormat, kOut>(dst, make_uint2(tail.w[0], tail.w[1]), 0.0f, div);
       else  // ds_mla k_pe is bf16
-        store_16bit<kFormat == CacheFormat::kBf16 ? kCache16 : ActType::kBF16, kOut>(dst, tail[j]);
+        store_16bit<kFormat == CacheFormat::kBf16 ? kCache16 : ActType::kBF16, kOut>(dst, tail);
     }
   }
 }

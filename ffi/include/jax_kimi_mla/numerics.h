@@ -174,6 +174,28 @@ JKM_HD uint32_t f16x2(float lo, float hi) {
 #define JKM_HARDWARE_FP8 0
 #endif
 
+// Bit 7 of byte i is set where E4M3 code i of the word is a NaN (its low 7 bits all ones: adding
+// 1 carries into bit 7); the other bits are noise, so that several words can be or-ed and then
+// tested with & 0x80808080.
+JKM_HD uint32_t e4m3_nan_bits(uint32_t codes4) { return (codes4 & 0x7F7F7F7Fu) + 0x01010101u; }
+JKM_HD bool e4m3_has_nan(uint32_t codes4) { return (e4m3_nan_bits(codes4) & 0x80808080u) != 0; }
+
+// ---- E4M3 codes read back as exact 16-bit values (the GPU readers) ----
+
+// Two codes, each in the high byte of a 16-bit half of h, as the f16 pair of value * 2^-8: the
+// code's sign at the f16 sign bit, eeee.mmm at the top of its exponent and mantissa fields; exact,
+// subnormal codes included. NaN codes come out as +-480 * 2^-8.
+JKM_HD uint32_t e4m3x2_placed_f16x2(uint32_t h) { return (h & 0x80008000u) | ((h >> 1) & 0x3F803F80u); }
+
+#if JKM_HARDWARE_FP8
+// sm_89+: two codes (the first in the low byte) as their exact f16 pair, NaN kept, one instruction.
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint16_t codes) {
+  uint32_t d;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(d) : "h"(codes));
+  return d;
+}
+#endif
+
 // Four E4M3 codes of values already multiplied by the scale inverse. On the GPU the hardware
 // pair converter (cvt.rn.satfinite.e4m3x2.f32) rounds and saturates as the reference encoder
 // does, but keeps a NaN's sign: a code is a NaN exactly when its low 7 bits are all ones (adding
@@ -182,7 +204,7 @@ JKM_HD uint32_t e4m3x4(float a, float b, float c, float d) {
 #if JKM_HARDWARE_FP8
   const uint32_t w = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3) |
                      uint32_t(__nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3)) << 16;
-  return w & ~(((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u);
+  return w & ~(e4m3_nan_bits(w) & 0x80808080u);
 #else
   return e4m3_encode_soft(a) | uint32_t(e4m3_encode_soft(b)) << 8 |
          uint32_t(e4m3_encode_soft(c)) << 16 | uint32_t(e4m3_encode_soft(d)) << 24;
