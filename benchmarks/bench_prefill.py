@@ -66,7 +66,7 @@ MAX_STEP_OVER_PARTS = 1.25
 MAX_PEAK_OVER_BUDGET = 1.5
 FIELDS = ["name", "heads", "seqs", "new", "context", "impl", "step_us", "step_kernels", "step_wall_us", "parts_us",
           "step_over_parts", "tflop", "tflops", "matmul_fraction", "peak_bytes", "budget_bytes", "peak_over_budget",
-          "head_groups", "estimated_over_budget", "time_source", "parts", "error"]
+          "xla_temp_bytes", "head_groups", "estimated_over_budget", "time_source", "parts", "error"]
 
 
 @dataclass(frozen=True)
@@ -247,8 +247,9 @@ def _message(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
 
 
-def peak_of(case: Case, sizes: Sizes, impl: str, quick: bool) -> int | None:
-    """Peak device bytes of a fresh process that runs one step of the case (None on the CPU)."""
+def peak_of(case: Case, sizes: Sizes, impl: str, quick: bool) -> dict | None:
+    """Peak device bytes of a fresh process that runs one step of the case, and XLA's own account
+    of the step's temporaries (None on the CPU)."""
     if jax.devices()[0].memory_stats() is None:
         return None
     command = [sys.executable, "-P", __file__, "--memory-of", case.name, "--impl", impl,
@@ -257,11 +258,13 @@ def peak_of(case: Case, sizes: Sizes, impl: str, quick: bool) -> int | None:
     lines = [ln for ln in result.stdout.splitlines() if ln.startswith("{")]
     if result.returncode or not lines:
         raise RuntimeError(f"memory subprocess failed: {(result.stderr or result.stdout).strip().splitlines()[-1:]}")
-    return json.loads(lines[-1])["peak_bytes_in_use"]
+    return json.loads(lines[-1])
 
 
 def memory_of(name: str, sizes: Sizes, impl: str) -> None:
-    """In the subprocess: one step of the named case, then the device's peak bytes as JSON. The
+    """In the subprocess: one step of the named case, then the device's peak bytes as JSON, with
+    the compiled step's temporaries as XLA plans them (``memory_analysis``: what its buffer
+    assignment holds beyond the arguments and outputs, not counting cuBLAS/cuDNN workspaces). The
     step is compiled (and autotuned) before any input is on the device, and the inputs are made
     on the host, so the peak is the step's own."""
     case = next(c for c in sizes.cases if c.name == name)
@@ -269,7 +272,9 @@ def memory_of(name: str, sizes: Sizes, impl: str) -> None:
     compiled = step.lower(*jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)).compile()
     jax.block_until_ready(compiled(*jax.device_put(args)))
     stats = jax.devices()[0].memory_stats() or {}
-    print(json.dumps({"peak_bytes_in_use": stats.get("peak_bytes_in_use")}))
+    analysis = compiled.memory_analysis()
+    temp = getattr(analysis, "temp_size_in_bytes", None) if analysis is not None else None
+    print(json.dumps({"peak_bytes_in_use": stats.get("peak_bytes_in_use"), "xla_temp_bytes": temp}))
 
 
 def measure_case(case: Case, sizes: Sizes, impl: str, matmul_tflops: float | None, quick: bool, memory: bool) -> dict:
@@ -297,8 +302,9 @@ def measure_case(case: Case, sizes: Sizes, impl: str, matmul_tflops: float | Non
     if memory:
         peak = peak_of(case, sizes, impl, quick)
         if peak is not None:
-            row["peak_bytes"] = peak
-            row["peak_over_budget"] = peak / row["budget_bytes"]
+            row["peak_bytes"] = peak["peak_bytes_in_use"]
+            row["peak_over_budget"] = row["peak_bytes"] / row["budget_bytes"]
+            row["xla_temp_bytes"] = peak.get("xla_temp_bytes")
     return row
 
 
@@ -347,7 +353,8 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], sizes: Sizes) -> No
         f"attention_impl={meta['impl']!r}; the parts are each timed alone under jit on inputs of their shape",
         "- budget = weights + the step's inputs and outputs + a cache of exactly the run's tokens plus one block per sequence; "
         "peak = memory_stats()['peak_bytes_in_use'] of a fresh process running one step; estimated = budget + "
-        "layer.prefill_temp_bytes, over the budget; head groups = layer.prefill_head_groups",
+        "layer.prefill_temp_bytes, over the budget; head groups = layer.prefill_head_groups; XLA temp = the compiled step's "
+        "temporaries (memory_analysis().temp_size_in_bytes: buffers beyond arguments and outputs, no library workspaces)",
         "",
         "## Targets, from this run",
         "",
@@ -357,8 +364,8 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], sizes: Sizes) -> No
         "## Cases",
         "",
         "| case | attention | head groups | step us | kernels | parts us | step / parts | TFLOP | TFLOP/s | of matmul | peak MB "
-        "| budget MB | peak / budget | estimated |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| budget MB | peak / budget | estimated | XLA temp MB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
@@ -367,7 +374,8 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], sizes: Sizes) -> No
             f"| {_num(r.get('parts_us'), '{:.1f}')} | {_num(r.get('step_over_parts'), '{:.2f}x')} | {_num(r.get('tflop'), '{:.3f}')} "
             f"| {_num(r.get('tflops'), '{:.1f}')} | {_num(r.get('matmul_fraction'), '{:.0%}')} "
             f"| {_num(r.get('peak_bytes') and r['peak_bytes'] / 1e6, '{:.0f}')} | {_num(r.get('budget_bytes') and r['budget_bytes'] / 1e6, '{:.0f}')} "
-            f"| {_num(r.get('peak_over_budget'), '{:.2f}x')} | {_num(r.get('estimated_over_budget'), '{:.2f}x')} |")
+            f"| {_num(r.get('peak_over_budget'), '{:.2f}x')} | {_num(r.get('estimated_over_budget'), '{:.2f}x')} "
+            f"| {_num(r.get('xla_temp_bytes') and r['xla_temp_bytes'] / 1e6, '{:.0f}')} |")
     lines += ["", "## The parts (us each)", ""]
     lines += [f"- {r['name']}: {r['parts']}" for r in rows if r.get("parts")]
     errors = [r for r in rows if r["error"]]
@@ -418,7 +426,8 @@ def main(argv=None) -> int:
             print(f"{row['name']:36} {row.get('impl', '-'):12} step {_num(row.get('step_us'), '{:10.1f}')} us  parts "
                   f"{_num(row.get('parts_us'), '{:10.1f}')} us ({_num(row.get('step_over_parts'), '{:.2f}x')})  "
                   f"{_num(row.get('tflops'), '{:.1f}')} TFLOP/s  peak/budget {_num(row.get('peak_over_budget'), '{:.2f}x')} "
-                  f"(estimated {_num(row.get('estimated_over_budget'), '{:.2f}x')}, {_num(row.get('head_groups'), '{:g}')} head groups)"
+                  f"(estimated {_num(row.get('estimated_over_budget'), '{:.2f}x')}, {_num(row.get('head_groups'), '{:g}')} head groups, "
+                  f"XLA temp {_num(row.get('xla_temp_bytes') and row['xla_temp_bytes'] / 1e6, '{:.0f}')} MB)"
                   f"{'  ERROR ' + row['error'] if row['error'] else ''}", flush=True)
     sources = {r["time_source"] for r in rows if r.get("time_source")}
     device_timed = sources == {"device"}

@@ -11,10 +11,11 @@
 //      E4M3 q, which always comes with the plain fp8 cache; E4M3 q codes become exact values),
 //      and from there into registers: each warp holds the A fragments of its column half for the
 //      whole split (72-80 registers), so Q is never re-read per tile.
-//    - Cache rows stream through 3 shared stages by TMA copies that complete on one mbarrier per
-//      stage: each token is addressed through its block id, so any block size works, and tiles
-//      i + 1, i + 2 are in flight while tile i is computed. The cache rows of a tile's tokens are
-//      looked up 3 tiles ahead and kept in a small table in shared memory, off the critical path.
+//    - Cache rows stream through shared stages (3 for a 16-bit cache, 2 for the 1-byte ones) by
+//      TMA copies that complete on one mbarrier per stage: each token is addressed through its
+//      block id, so any block size works, and the next tiles are in flight while tile i is
+//      computed. The cache rows of a tile's tokens are looked up a stage count of tiles ahead
+//      and kept in a small table in shared memory, off the critical path.
 //      A masked or out-of-range token reads nothing (or what a box brings is overwritten): its
 //      shared row is zero-filled and its logits are -inf.
 //    - A 16-bit cache lands by 2D tensor-map boxes (host-built TileMaps) in nine 64-column chunks
@@ -25,12 +26,13 @@
 //      its own copy (64 per tile). The Q tile lives in the third stage until the first tile lands
 //      there (three 72 KB stages fit only so).
 //    - A plain fp8 or fp8_ds_mla cache lands raw (rows as in the cache, so a run of consecutive
-//      rows is one bulk copy), 3 stages, and is never converted by a pass of its own: QK^T reads
+//      rows is one bulk copy), 2 stages, and is never converted by a pass of its own: QK^T reads
 //      the raw codes into registers with 16-byte shared loads (qk_tile_raw; the K columns a lane
 //      holds are not the ones the m16n8k16 B fragment names, so Q is stored with its columns
 //      permuted to match, see mma_column), converts them there, and stores the 512 latent values
-//      once, converted, to a V tile that P.V reads with ldmatrix as for bf16. The conversion thus
-//      interleaves with the MMAs of the same warp, and the converted tile is written once.
+//      once, converted, to a V tile (two, by tile parity) that P.V reads with ldmatrix as for
+//      bf16. The conversion thus interleaves with the MMAs of the same warp, and the converted
+//      tile is written once.
 //      Conversion: on sm_89+ with f16 elements the hardware cvt.rn.f16x2.e4m3x2 (exact, NaN
 //      kept); otherwise (bf16 elements) E4M3 codes become exact values by bit placement and one
 //      multiply by a power of two, with NaN codes tracked by a cheap or-ed flag that makes the
@@ -51,8 +53,11 @@
 //    - P.V: warp w owns output columns [64w, 64w + 64): O[16 x 64] += P[16 x 64] V[64 x 64], V
 //      being the first 512 columns of the 16-bit tile or the converted V tile (transposed
 //      ldmatrix), P read from the P tile with ldmatrix.
-//    - Three barriers per tile: the tile has landed (and every warp is done with the previous
-//      one); the logits (and the V tile) are complete; the P tile is complete.
+//    - Barriers per tile. 1-byte formats, pipelined (two): P.V of tile i - 1 and QK^T of tile i
+//      share one interval (its V tile and P tile are not the ones QK^T writes), then the logits
+//      and V tile are complete; the softmax, then the P tile is complete. 16-bit cache (three:
+//      its V tile is the stage, and P lies over the logits): P.V of tile i - 1, then tile i has
+//      landed; QK^T; the softmax.
 //    - End: one split writes out (rounded to the output dtype) and lse directly; several splits
 //      each write their partial (512 normalized floats, then the natural-log lse; -inf and zeros
 //      for a row that saw no token of the split). A CTA whose split starts at or past the length
@@ -71,15 +76,16 @@
 // do not are left out of the P.V MMA (0 * NaN would reach the rows that do not see them) and
 // added in float32 to the rows that see them.
 //
-// Shared memory per CTA (1 CTA per SM): bf16/f16 cache 232,000 B (3 swizzled stages, Q in the
-// last), plain fp8 206,656 B (3 raw stages + Q + V tile), fp8_ds_mla 222,016 B. That fits sm_90 (232,448 B per block); the host
-// refuses GPUs below sm_90 (A100: 163 KB, and no TMA) with an error naming the reference.
+// Shared memory per CTA (1 CTA per SM): bf16/f16 cache 232,192 B (3 swizzled stages, Q in the
+// last), plain fp8 219,648 B (2 raw stages, 2 V tiles with Q in the second, a P tile),
+// fp8_ds_mla 229,888 B. That fits sm_90 (232,448 B per block); the host refuses GPUs below sm_90
+// (A100: 163 KB, and no TMA) with an error naming the reference.
 //
 // History and measurements (H200): docs/DECODE_ATTENTION.md. At H = 12, B = 64, context 16k:
-// bf16 304 us (about 93% of the copy ceiling), plain fp8 275 us (51%), fp8_ds_mla 345 us (47%).
-// Every format is bound by the latency of a tile's chain of phases in one CTA (2.2-2.8 us per
-// tile), which bf16's bytes nearly match and the 1-byte formats' do not. The split count is the caller's choice: one CTA per SM, so
-// num_splits * ceil(S_q*H / 16) * B should reach the SM count.
+// bf16 302 us (about 93% of the copy ceiling), plain fp8 263 us (53%), fp8_ds_mla 331 us (49%).
+// Every format is bound by the latency of a tile's chain of phases in one CTA (2.1-2.7 us per
+// tile), which bf16's bytes nearly match and the 1-byte formats' do not. The split count is the
+// caller's choice: one CTA per SM, so num_splits * ceil(S_q*H / 16) * B should reach the SM count.
 #include <cuda.h>  // CUtensorMap (the driver is reached through the runtime: no link to libcuda)
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -134,31 +140,44 @@ struct Layout {
   // 656 costs a 2-way conflict on those loads.
   static constexpr bool kSwizzled = !kConverts;
   static constexpr int kRawTileBytes = kSwizzled ? kEntry / 64 * kChunkBytes : kTileTokens * kEntryBytes;
-  // Tiles in shared memory: kStages - 1 in flight while one is computed.
-  static constexpr int kStages = 3;
+  // The 1-byte formats are pipelined: P.V of tile i - 1 runs in the same barrier interval as
+  // QK^T of tile i (two barriers per tile instead of three, and warps overlap the two phases).
+  // That needs two V tiles (QK^T of tile i writes one while P.V of tile i - 1 reads the other)
+  // and a P tile apart from the logits; it fits with two raw stages, the Q tile overlaid on the
+  // second V tile. A 16-bit tile is its own V tile: three stages fill the shared memory, so P
+  // lies over the logits and a barrier separates P.V of tile i - 1 from QK^T of tile i.
+  static constexpr bool kPipelined = kConverts;
+  // Tiles in shared memory: with the 16-bit cache kStages - 1 in flight while one is computed;
+  // pipelined, one in flight while one is read by QK^T.
+  static constexpr int kStages = kPipelined ? 2 : 3;
   // The V tile of P.V: the swizzled tile itself for a 16-bit cache; for a 1-byte cache the first
   // 512 columns converted by QK^T (rows of 1024 + 16 bytes: the 16-byte skew puts the 8 rows of
   // every ldmatrix in distinct banks).
   static constexpr int kVRowBytes = 2 * kLatent + 16;
+  static constexpr int kVTileBytes = kTileTokens * kVRowBytes;
+  static constexpr int kVTiles = kConverts ? 2 : 0;
   // The first QK^T k-step of column half 1. The 1-byte formats split at a 64-column block, 4 | 5,
   // so that each half converts (and writes to the V tile) four latent blocks.
   static constexpr int kHalfStep = kConverts ? 16 : kQkSteps / 2;
   static constexpr int kQSteps = kHalfStep > kQkSteps - kHalfStep ? kHalfStep : kQkSteps - kHalfStep;
   static constexpr int kRaw = 0;  // [kStages][kRawTileBytes]
-  // The query tile [16][kRowBytes] is read into registers once, before the first tile lands: a
-  // 16-bit cache puts it in the last stage (three 72 KB stages fit only so).
-  static constexpr int kQ = kRaw + (kSwizzled ? kStages - 1 : kStages) * kRawTileBytes;
-  static constexpr int kScores = kSwizzled ? kRaw + kStages * kRawTileBytes
-                                           : kQ + kTileRows * kRowBytes;  // float [half][16][kScoreStride]
-  static constexpr int kEntries = kScores + kColumnHalves * kTileRows * kScoreStride * 4;  // int64 [kStages][64]
+  static constexpr int kScores = kRaw + kStages * kRawTileBytes;  // float [half][16][kScoreStride]
+  // The P tile [16 rows][kPRowBytes]: over the logits (16-bit), or its own, 16-byte skewed rows.
+  static constexpr int kPRowBytes = kPipelined ? 2 * kTileTokens + 16 : kScoreStride * 4;
+  static constexpr int kOwnP = kScores + kColumnHalves * kTileRows * kScoreStride * 4;
+  static constexpr int kP = kPipelined ? kOwnP : kScores;
+  static constexpr int kEntries = kOwnP + (kPipelined ? kTileRows * kPRowBytes : 0);  // int64 [kStages][64]
   static constexpr int kZeroRows = kEntries + kStages * kTileTokens * 8;  // uint64 [kStages] (16-bit)
   static constexpr int kBarriers = kZeroRows + 32;                         // uint64 [kStages], 32 B
   static constexpr int kStats = kBarriers + 32;                            // RowStats
-  static constexpr int kVTile = kStats + (int(sizeof(float)) * 3 * kTileRows + 15) / 16 * 16;  // [64][kVRowBytes] (1-byte)
-  static constexpr int kBytes = kVTile + (kConverts ? kTileTokens * kVRowBytes : 0);
-  static_assert(kEntryBytes % 16 == 0 && kRawTileBytes % 1024 == 0 && kScores % 16 == 0 &&
+  static constexpr int kVTile = kStats + (int(sizeof(float)) * 3 * kTileRows + 15) / 16 * 16;  // [kVTiles][64][kVRowBytes]
+  static constexpr int kBytes = kVTile + kVTiles * kVTileBytes;
+  // The query tile [16][kRowBytes] is read into registers once, before the first tile lands:
+  // in the last stage (16-bit), or in the second V tile, which QK^T of tile 1 first writes.
+  static constexpr int kQ = kSwizzled ? kRaw + (kStages - 1) * kRawTileBytes : kVTile + kVTileBytes;
+  static_assert(kEntryBytes % 16 == 0 && kRawTileBytes % 1024 == 0 && kScores % 16 == 0 && kP % 16 == 0 &&
                 kEntries % 16 == 0 && kStages * 8 <= 32 && kQ % 16 == 0 && kVTile % 16 == 0);
-  static_assert(!kSwizzled || kTileRows * kRowBytes <= kRawTileBytes, "Q fits in the last stage");
+  static_assert(kTileRows * kRowBytes <= (kSwizzled ? kRawTileBytes : kVTileBytes), "Q fits where it lies");
   static_assert(kBytes <= 232448, "more than sm_90's 227 KB of shared memory per block");
   static_assert(kThreads >= kStages * kTileTokens, "the prologue gives one thread to each token");
 };
@@ -739,8 +758,8 @@ __device__ __forceinline__ void write_logits(const Lane& t, const float (&acc)[2
 //
 // Lane l takes row 2w + l / 16, tokens 4 (l % 16) .. + 3: it adds the two halves' partial logits,
 // the 16 lanes of the row agree on its maximum, and the lane writes its 4 probabilities, in the
-// MMA element type, over the row's logits (the P tile: row r at scores + r * kScoreStride, 64
-// elements), and lane 0 of the row its rescaling factor (alpha). Each row's softmax is computed
+// MMA element type, to the P tile (row r at p_tile + r * kPRowBytes, 64 elements; with the 16-bit
+// cache that is over the row's logits), and lane 0 of the row its rescaling factor (alpha). Each row's softmax is computed
 // once, not by every warp (which had put 8 x 32 exp2 per tile on the critical path).
 
 // Running softmax state of this lane's row (the max identical in its 16 lanes; each lane sums its
@@ -758,11 +777,12 @@ struct RowStats {
 
 __device__ __forceinline__ int softmax_row(const Lane& t) { return 2 * t.warp + t.lane / 16; }
 
-template <ActType kElem>
-__device__ __forceinline__ void softmax_rows(const Lane& t, float* scores, RowState& state, RowStats& stats) {
+template <ActType kElem, int kPRowBytes>
+__device__ __forceinline__ void softmax_rows(const Lane& t, const float* scores, uint8_t* p_tile, RowState& state,
+                                             RowStats& stats) {
   static_assert(kWarps * 2 == kTileRows && kTileTokens == 16 * 4, "2 rows per warp, 4 tokens per lane");
   const int row = softmax_row(t), token = 4 * (t.lane % 16);
-  float* logits = scores + row * kScoreStride + token;
+  const float* logits = scores + row * kScoreStride + token;
   const float4 a = *reinterpret_cast<const float4*>(logits);
   const float4 b = *reinterpret_cast<const float4*>(logits + kTileRows * kScoreStride);
   const float logit[4] = {a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w};
@@ -779,8 +799,8 @@ __device__ __forceinline__ void softmax_rows(const Lane& t, float* scores, RowSt
 #pragma unroll
   for (int i = 0; i < 4; ++i) e[i] = exp2f(logit[i] - offset);
   state.sum = state.sum * alpha + ((e[0] + e[1]) + (e[2] + e[3]));
-  __syncwarp();  // every lane of the row has read its logits before P overwrites them
-  *reinterpret_cast<uint2*>(reinterpret_cast<uint8_t*>(scores + row * kScoreStride) + 2 * token) =
+  __syncwarp();  // every lane of the row has read its logits before P (may) overwrite them
+  *reinterpret_cast<uint2*>(p_tile + row * kPRowBytes + 2 * token) =
       make_uint2(pack_elems<kElem>(e[0], e[1]), pack_elems<kElem>(e[2], e[3]));
   if (t.lane % 16 == 0) stats.alpha[row] = alpha;
 }
@@ -794,9 +814,9 @@ __device__ __forceinline__ void publish_row_state(const Lane& t, const RowState&
 }
 
 // The P tile's A fragments of the P.V MMA (p[k] for tokens [16k, 16k + 16)).
-__device__ __forceinline__ void load_p_fragments(const Lane& t, const float* scores, uint32_t (&p)[kPvSteps][4]) {
-  const uint32_t addr = smem_addr(scores) + ((t.lane & 7) + ((t.lane >> 3) & 1) * 8) * (kScoreStride * 4) +
-                        (t.lane >> 4) * 16;
+template <int kPRowBytes>
+__device__ __forceinline__ void load_p_fragments(const Lane& t, const uint8_t* p_tile, uint32_t (&p)[kPvSteps][4]) {
+  const uint32_t addr = smem_addr(p_tile) + ((t.lane & 7) + ((t.lane >> 3) & 1) * 8) * kPRowBytes + (t.lane >> 4) * 16;
 #pragma unroll
   for (int k = 0; k < kPvSteps; ++k) ldmatrix_x4(p[k], addr + k * 32);
 }
@@ -816,9 +836,9 @@ struct VTile {
 // Their values are added here, in float32, to the rows that see them (p from the P tile, as the
 // MMA would take it), then zeroed in this warp's columns of the V tile so that the MMA adds nothing for
 // them (each warp reads only its own columns of V after the logits are complete).
-template <ActType kElem, typename V>
+template <ActType kElem, int kPRowBytes, typename V>
 __device__ void add_partly_seen(const Lane& t, int lo, int hi, int64_t tile_first,
-                                const float* scores, uint8_t* kv,
+                                const uint8_t* p_tile, uint8_t* kv,
                                 float (&out)[kOutBlocks][4]) {
   constexpr int kPieces = kColsPerWarp / 8;  // this warp's 16-byte pieces of a row
   for (int token = lo; token < hi; ++token) {
@@ -827,7 +847,7 @@ __device__ void add_partly_seen(const Lane& t, int lo, int hi, int64_t tile_firs
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       seen[h] = tile_first + token < t.visible[h];
-      p[h] = elem_to_f32<kElem>(reinterpret_cast<const uint16_t*>(scores + (t.g + 8 * h) * kScoreStride)[token]);
+      p[h] = elem_to_f32<kElem>(reinterpret_cast<const uint16_t*>(p_tile + (t.g + 8 * h) * kPRowBytes)[token]);
     }
 #pragma unroll
     for (int n = 0; n < kOutBlocks; ++n) {
@@ -941,6 +961,7 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, int64_t b
   constexpr int kStages = L::kStages;
   uint8_t* q_tile = smem + L::kQ;
   float* scores = reinterpret_cast<float*>(smem + L::kScores);
+  uint8_t* p_tile = smem + L::kP;
   int64_t* tile_rows = reinterpret_cast<int64_t*>(smem + L::kEntries);  // [tile % kStages][token]
   uint8_t* raw = smem + L::kRaw;
   uint64_t* zero_rows = reinterpret_cast<uint64_t*>(smem + L::kZeroRows);   // [kStages] (16-bit)
@@ -955,6 +976,11 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, int64_t b
       if (threadIdx.x < kTileTokens)
         issue_raw_tile<kFormat>(a, tile_rows[s * kTileTokens + threadIdx.x], stage, stage_full + s);
     }
+  };
+  // The V tile of P.V for the tile in slot s: the stage itself (16-bit), or the converted tile
+  // that QK^T of that tile wrote (1-byte; two, by tile parity).
+  const auto v_tile = [&](int64_t tile, int s) {
+    return L::kConverts ? smem + L::kVTile + int(tile & 1) * L::kVTileBytes : raw + s * L::kRawTileBytes;
   };
 
   __syncthreads();  // this CTA's previous sequence is done with the shared memory
@@ -974,34 +1000,58 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, int64_t b
     load_q_fragments<0, kHalfStep>(t, q_tile, q);
   else
     load_q_fragments<kHalfStep, kQkSteps - kHalfStep>(t, q_tile, q);
-  // Tiles 0 .. kStages - 2 in flight.
+  // In flight before the loop: every stage when pipelined, else all but the one Q lies in.
+  constexpr int kFirstIssued = L::kPipelined ? kStages : kStages - 1;
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s)
+  for (int s = 0; s < kFirstIssued; ++s)
     if (s < w.n_tiles) issue(s);
   uint32_t parity = 0;  // bit s: the phase of stage s's mbarrier that the next wait expects
 
   float out[kOutBlocks][4] = {};
   RowState state;  // of row softmax_row(t)
   RowStats& stats = *reinterpret_cast<RowStats*>(smem + L::kStats);
+  // out += P V of tile `tile` (slot s), after its softmax: rescale by its alphas, then the MMAs.
+  const auto accumulate_pv = [&](int64_t tile, int s) {
+#pragma unroll
+    for (int n = 0; n < kOutBlocks; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) out[n][i] *= stats.alpha[t.g + 8 * (i >> 1)];
+    uint32_t p[kPvSteps][4];
+    load_p_fragments<L::kPRowBytes>(t, p_tile, p);
+    uint8_t* kv = v_tile(tile, s);
+    const int64_t tile_first = w.first + tile * kTileTokens;
+    const int64_t partly_lo = max64(seen_by_all, tile_first);
+    const int64_t partly_hi = min64(seen_by_any, tile_first + kTileTokens);
+    if (partly_lo < partly_hi)
+      add_partly_seen<kElem, L::kPRowBytes, V>(t, int(partly_lo - tile_first), int(partly_hi - tile_first),
+                                               tile_first, p_tile, kv, out);
+    pv_accumulate<kElem, V>(t, p, kv, out);
+  };
+
+  // Tile i: [P.V of tile i - 1] QK^T of tile i | barrier | softmax of tile i | barrier. Not
+  // pipelined, a barrier also separates P.V of tile i - 1 from QK^T of tile i.
   int slot = 0;  // tile % kStages: its stage and its entries
-  for (int64_t tile = 0; tile < w.n_tiles; ++tile) {
+  for (int64_t tile = 0;; ++tile) {
+    const int prev = slot == 0 ? kStages - 1 : slot - 1;  // the slot of tile - 1
+    if (tile > 0) accumulate_pv(tile - 1, prev);
+    if (tile == w.n_tiles) break;
     mbarrier_wait(stage_full + slot, (parity >> slot) & 1);
     parity ^= 1u << slot;
     uint8_t* stage = raw + slot * L::kRawTileBytes;
-    if constexpr (L::kSwizzled) zero_masked_rows(zero_rows[slot], stage);
-    __syncthreads();  // tile has landed, and every warp is done with tile - 1 (its stage, V tile)
-    // Tile + kStages - 1 goes to the stage of tile - 1.
-    const int ahead = slot == 0 ? kStages - 1 : slot - 1;
-    if (tile + kStages - 1 < w.n_tiles) issue(ahead);
+    if constexpr (!L::kPipelined) {
+      if constexpr (L::kSwizzled) zero_masked_rows(zero_rows[slot], stage);
+      __syncthreads();  // tile has landed, and every warp is done with tile - 1 (its stage, P)
+      // Tile + kStages - 1 goes to the stage of tile - 1.
+      if (tile + kStages - 1 < w.n_tiles) issue(prev);
+    }
     // The rows of tile + kStages, looked up now so that their latency hides behind this tile's
     // math.
     const int64_t row_ahead = threadIdx.x < kTileTokens ? tile_token_row(a, w, tile + kStages, int(threadIdx.x)) : -1;
-    uint8_t* kv;  // the V tile
     float acc[2][2][4] = {};
     uint32_t nan_lanes[2] = {0, 0};
     if constexpr (L::kConverts) {
       static_assert(kHalfStep % 4 == 0, "1-byte halves split at a 64-column block");
-      kv = smem + L::kVTile;
+      uint8_t* kv = v_tile(tile, slot);
       bool nan[2];
       if (t.half == 0)
         qk_tile_raw<kFormat, kElem, 0, kHalfBlock>(t, q, stage, kv, acc, nan);
@@ -1010,34 +1060,23 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, int64_t b
       nan_lanes[0] = __ballot_sync(0xFFFFFFFFu, nan[0]);
       nan_lanes[1] = __ballot_sync(0xFFFFFFFFu, nan[1]);
     } else {
-      kv = stage;
       if (t.half == 0)
-        qk_tile<kElem, 0, kHalfStep>(t, q, kv, acc);
+        qk_tile<kElem, 0, kHalfStep>(t, q, stage, acc);
       else
-        qk_tile<kElem, kHalfStep, kQkSteps - kHalfStep>(t, q, kv, acc);
+        qk_tile<kElem, kHalfStep, kQkSteps - kHalfStep>(t, q, stage, acc);
     }
-    const int64_t tile_first = w.first + tile * kTileTokens;
-    write_logits(t, acc, nan_lanes, tile_rows + slot * kTileTokens, tile_first, scales.logit,
+    write_logits(t, acc, nan_lanes, tile_rows + slot * kTileTokens, w.first + tile * kTileTokens, scales.logit,
                  scores + t.half * kTileRows * kScoreStride);
-    // The 16 x 64 logits (and a 1-byte format's V tile) are complete; this slot's rows are no
-    // longer read.
+    // The 16 x 64 logits (and a 1-byte format's V tile) are complete; every warp is done with
+    // P.V of tile - 1 and with this tile's raw stage and rows.
     __syncthreads();
     if (threadIdx.x < kTileTokens) tile_rows[slot * kTileTokens + threadIdx.x] = row_ahead;
+    // Pipelined, tile + kStages goes to the stage of this tile, converted already.
+    if constexpr (L::kPipelined)
+      if (tile + kStages < w.n_tiles) issue(slot);
 
-    softmax_rows<kElem>(t, scores, state, stats);
+    softmax_rows<kElem, L::kPRowBytes>(t, scores, p_tile, state, stats);
     __syncthreads();  // the P tile and the rows' alphas are complete
-#pragma unroll
-    for (int n = 0; n < kOutBlocks; ++n)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) out[n][i] *= stats.alpha[t.g + 8 * (i >> 1)];
-    uint32_t p[kPvSteps][4];
-    load_p_fragments(t, scores, p);
-    const int64_t partly_lo = max64(seen_by_all, tile_first);
-    const int64_t partly_hi = min64(seen_by_any, tile_first + kTileTokens);
-    if (partly_lo < partly_hi)
-      add_partly_seen<kElem, V>(t, int(partly_lo - tile_first), int(partly_hi - tile_first), tile_first,
-                                scores, kv, out);
-    pv_accumulate<kElem, V>(t, p, kv, out);
     slot = slot + 1 == kStages ? 0 : slot + 1;
   }
   publish_row_state(t, state, stats);
