@@ -759,8 +759,9 @@ __device__ __forceinline__ void write_logits(const Lane& t, const float (&acc)[2
 // Lane l takes row 2w + l / 16, tokens 4 (l % 16) .. + 3: it adds the two halves' partial logits,
 // the 16 lanes of the row agree on its maximum, and the lane writes its 4 probabilities, in the
 // MMA element type, to the P tile (row r at p_tile + r * kPRowBytes, 64 elements; with the 16-bit
-// cache that is over the row's logits), and lane 0 of the row its rescaling factor (alpha). Each row's softmax is computed
-// once, not by every warp (which had put 8 x 32 exp2 per tile on the critical path).
+// cache that is over the row's logits), and lane 0 of the row its rescaling factor (alpha). Each
+// row's softmax is computed once, not by every warp (which had put 8 x 32 exp2 per tile on the
+// critical path).
 
 // Running softmax state of this lane's row (the max identical in its 16 lanes; each lane sums its
 // own tokens).
@@ -1038,8 +1039,8 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, int64_t b
     mbarrier_wait(stage_full + slot, (parity >> slot) & 1);
     parity ^= 1u << slot;
     uint8_t* stage = raw + slot * L::kRawTileBytes;
-    if constexpr (!L::kPipelined) {
-      if constexpr (L::kSwizzled) zero_masked_rows(zero_rows[slot], stage);
+    if constexpr (!L::kPipelined) {  // the 16-bit cache
+      zero_masked_rows(zero_rows[slot], stage);
       __syncthreads();  // tile has landed, and every warp is done with tile - 1 (its stage, P)
       // Tile + kStages - 1 goes to the stage of tile - 1.
       if (tile + kStages - 1 < w.n_tiles) issue(prev);
