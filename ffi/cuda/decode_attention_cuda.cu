@@ -81,10 +81,11 @@
 // fp8_ds_mla 229,888 B. That fits sm_90 (232,448 B per block); the host refuses GPUs below sm_90
 // (A100: 163 KB, and no TMA) with an error naming the reference.
 //
-// History and measurements (H200): docs/DECODE_ATTENTION.md. At H = 12, B = 64, context 16k:
-// bf16 302 us (about 93% of the copy ceiling), plain fp8 263 us (53%), fp8_ds_mla 331 us (49%).
-// Every format is bound by the latency of a tile's chain of phases in one CTA (2.1-2.7 us per
-// tile), which bf16's bytes nearly match and the 1-byte formats' do not. The split count is the
+// History and measurements (H200): docs/DECODE_ATTENTION.md. At H = 12, B = 64, context 16k
+// (Nsight Compute): bf16 298-307 us (about 90% of the copy ceiling), plain fp8 252 us (56%),
+// fp8_ds_mla 312 us (52%). Every format is bound by the latency of a tile's chain of phases in
+// one CTA (2.0-2.5 us per tile), which bf16's bytes nearly match and the 1-byte formats' do not:
+// with the whole context in L2 they run no faster. The split count is the
 // caller's choice: one CTA per SM, so num_splits * ceil(S_q*H / 16) * B should reach the SM count.
 #include <cuda.h>  // CUtensorMap (the driver is reached through the runtime: no link to libcuda)
 #include <cudaTypedefs.h>

@@ -20,6 +20,9 @@ struct PagedCache {
   const uint8_t* cache = nullptr;
   int64_t row_bytes = 0;
   int64_t num_blocks = 0, block_size = 0;
+  // log2(block_size) where the block size is a power of two (every size the serving stacks use),
+  // else -1: token_row then shifts and masks instead of dividing, off the kernels' critical path.
+  int block_shift = -1;
   const void* block_tables = nullptr;  // [B, max_blocks]
   bool tables_int64 = false;
   int64_t max_blocks = 0;
@@ -46,8 +49,9 @@ struct PagedCache {
   // The cache row of token t (< len) of sequence b, or -1 when its block id is outside
   // [0, num_blocks): such a token is masked out and nothing is read for it.
   JKM_HD int64_t token_row(int64_t b, int64_t t) const {
-    const int64_t block = load_index(block_tables, tables_int64, b * max_blocks + t / block_size);
-    return block >= 0 && block < num_blocks ? block * block_size + t % block_size : -1;
+    const int64_t index = block_shift >= 0 ? t >> block_shift : t / block_size;
+    const int64_t block = load_index(block_tables, tables_int64, b * max_blocks + index);
+    return block >= 0 && block < num_blocks ? block * block_size + (t - index * block_size) : -1;
   }
 };
 
@@ -110,6 +114,8 @@ inline std::string make_paged_cache(ffi::AnyBuffer cache, ffi::AnyBuffer tables,
   if (p.row_bytes < p.entry_bytes() || p.row_bytes % 16 != 0)
     return "kv_cache rows must hold an entry and be a multiple of 16 bytes";
   if (p.block_size < 1 && p.num_blocks > 0) return "block_size must be >= 1";
+  for (int shift = 0; shift < 31; ++shift)
+    if (p.block_size == int64_t(1) << shift) p.block_shift = shift;
   const bool fp8_cache = p.cache_format == CacheFormat::kFp8;
   if ((cache_scale_inv.element_count() == 1) != fp8_cache ||
       cache_scale_inv.element_type() != T::F32 || cache_scale_inv.element_count() > 1)
