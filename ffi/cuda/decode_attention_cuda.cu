@@ -82,8 +82,8 @@
 // (A100: 163 KB, and no TMA) with an error naming the reference.
 //
 // History and measurements (H200): docs/DECODE_ATTENTION.md. At H = 12, B = 64, context 16k
-// (Nsight Compute): bf16 298-307 us (about 90% of the copy ceiling), plain fp8 252 us (56%),
-// fp8_ds_mla 312 us (52%). Every format is bound by the latency of a tile's chain of phases in
+// (Nsight Compute): bf16 298-328 us (82-90% of the copy ceiling, varying by machine), plain fp8
+// 233 us (61%), fp8_ds_mla 300 us (54%). Every format is bound by the latency of a tile's chain of phases in
 // one CTA (2.0-2.5 us per tile), which bf16's bytes nearly match and the 1-byte formats' do not:
 // with the whole context in L2 they run no faster. The split count is the
 // caller's choice: one CTA per SM, so num_splits * ceil(S_q*H / 16) * B should reach the SM count.
@@ -1032,9 +1032,17 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, int64_t b
 
   // Tile i: [P.V of tile i - 1] QK^T of tile i | barrier | softmax of tile i | barrier. Not
   // pipelined, a barrier also separates P.V of tile i - 1 from QK^T of tile i.
+  // Warps 2-3 look the rows of later tiles up (thread 64 + i: token i), warps 0-1 issue the tiles:
+  // both are per-tile extras on the critical path of whichever warps carry them, so they are
+  // spread, and (pipelined) kept out of the softmax interval, which every warp spends alike.
+  const int lookup_token = int(threadIdx.x) - kTileTokens;
+  const bool looks_up = lookup_token >= 0 && lookup_token < kTileTokens;
   int slot = 0;  // tile % kStages: its stage and its entries
   for (int64_t tile = 0;; ++tile) {
     const int prev = slot == 0 ? kStages - 1 : slot - 1;  // the slot of tile - 1
+    // Pipelined, tile - 1 + kStages goes to the stage of tile - 1, which QK^T has converted.
+    if constexpr (L::kPipelined)
+      if (tile > 0 && tile - 1 + kStages < w.n_tiles) issue(prev);
     if (tile > 0) accumulate_pv(tile - 1, prev);
     if (tile == w.n_tiles) break;
     mbarrier_wait(stage_full + slot, (parity >> slot) & 1);
@@ -1048,7 +1056,7 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, int64_t b
     }
     // The rows of tile + kStages, looked up now so that their latency hides behind this tile's
     // math.
-    const int64_t row_ahead = threadIdx.x < kTileTokens ? tile_token_row(a, w, tile + kStages, int(threadIdx.x)) : -1;
+    const int64_t row_ahead = looks_up ? tile_token_row(a, w, tile + kStages, lookup_token) : -1;
     float acc[2][2][4] = {};
     uint32_t nan_lanes[2] = {0, 0};
     if constexpr (L::kConverts) {
@@ -1072,11 +1080,7 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, int64_t b
     // The 16 x 64 logits (and a 1-byte format's V tile) are complete; every warp is done with
     // P.V of tile - 1 and with this tile's raw stage and rows.
     __syncthreads();
-    if (threadIdx.x < kTileTokens) tile_rows[slot * kTileTokens + threadIdx.x] = row_ahead;
-    // Pipelined, tile + kStages goes to the stage of this tile, converted already.
-    if constexpr (L::kPipelined)
-      if (tile + kStages < w.n_tiles) issue(slot);
-
+    if (looks_up) tile_rows[slot * kTileTokens + lookup_token] = row_ahead;
     softmax_rows<kElem, L::kPRowBytes>(t, scores, p_tile, state, stats);
     __syncthreads();  // the P tile and the rows' alphas are complete
     slot = slot + 1 == kStages ? 0 : slot + 1;
