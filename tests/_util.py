@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 import ml_dtypes
@@ -408,3 +411,18 @@ def nope_expected(fmt: str, a: dict):
     if fmt == "decode_fp8":
         mqa_q = e4m3(f32(mqa_q) * a["q_scale_inv"].reshape(()))
     return mqa_q, cache
+
+
+def load_script(path: Path, name: str):
+    """A script outside the package (a benchmark, an example) imported as module ``name``, once.
+    It is registered in sys.modules before it runs, as its dataclasses need."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module

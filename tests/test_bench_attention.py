@@ -1,17 +1,14 @@
 """benchmarks/bench_attention.py's judgement of issue 10's targets from a run's rows."""
 
-import importlib.util
-import sys
 from pathlib import Path
+
+from _util import load_script
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_attention.py"
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_attention", BENCH)
-    bench = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
-    spec.loader.exec_module(bench)
-    return bench
+    return load_script(BENCH, "bench_attention")
 
 
 def row(section, fmt, op_us, ref_us, *, heads=12, batch=64, context=16384):

@@ -28,13 +28,11 @@ def test_the_layer_expects_every_full_size_case_under_the_memory_target():
     full-size case of issue 11: under the 1.5x target, by the margin the rule keeps for what it
     leaves out. (The H200 measured 1.48-1.61x with these groups: the model runs 0.1-0.2 low.) With all heads at
     once, the H = 96 cases would be far over it (2.5-3.4x): there the heads run in groups."""
-    import importlib.util
+    from _util import load_script
 
     from jax_kimi_mla import layer
 
-    spec = importlib.util.spec_from_file_location("bench_prefill", BENCH)
-    bench = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
-    spec.loader.exec_module(bench)
+    bench = load_script(BENCH, "bench_prefill")
     for case in bench.FULL.cases:
         config = dataclasses.replace(bench.config_of(case, bench.FULL, "auto"), head_groups=None)
         shape = dict(packed=case.seqs > 1, context_tokens=case.seqs * case.context)

@@ -10,14 +10,13 @@ keep it honest: the patterns this replaced are caught. The README's explicit "th
 (no donation, eager calls) are not patterns to keep copy-free and are not run here."""
 
 import functools
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
+from _util import load_script
 from test_docs import README, SHARDING, docstring_examples, example_inputs, python_blocks
 
 import jax_kimi_mla as kmla
@@ -274,11 +273,7 @@ def test_layer_prefill_and_decode_steps_copy_nothing(fmt, rope):
 
 
 def _serve_loop():
-    spec = importlib.util.spec_from_file_location("serve_loop_under_test", ROOT / "examples" / "serve_loop.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "examples" / "serve_loop.py", "serve_loop_under_test")
 
 
 @FMT

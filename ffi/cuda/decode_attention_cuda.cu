@@ -83,9 +83,9 @@
 //
 // History and measurements (H200): docs/DECODE_ATTENTION.md. At H = 12, B = 64, context 16k
 // (Nsight Compute): bf16 298-328 us (82-90% of the copy ceiling, varying by machine), plain fp8
-// 233 us (61%), fp8_ds_mla 300 us (54%). Every format is bound by the latency of a tile's chain of phases in
-// one CTA (2.0-2.5 us per tile), which bf16's bytes nearly match and the 1-byte formats' do not:
-// with the whole context in L2 they run no faster. The split count is the
+// 233 us (61%), fp8_ds_mla 300 us (54%). Every format is bound by the latency of a tile's chain
+// of phases in one CTA (2.0-2.5 us per tile), which bf16's bytes nearly match and the 1-byte
+// formats' do not: with the whole context in L2 they run no faster. The split count is the
 // caller's choice: one CTA per SM, so num_splits * ceil(S_q*H / 16) * B should reach the SM count.
 #include <cuda.h>  // CUtensorMap (the driver is reached through the runtime: no link to libcuda)
 #include <cudaTypedefs.h>
@@ -1030,13 +1030,13 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, int64_t b
     pv_accumulate<kElem, V>(t, p, kv, out);
   };
 
-  // Tile i: [P.V of tile i - 1] QK^T of tile i | barrier | softmax of tile i | barrier. Not
-  // pipelined, a barrier also separates P.V of tile i - 1 from QK^T of tile i.
   // Warps 2-3 look the rows of later tiles up (thread 64 + i: token i), warps 0-1 issue the tiles:
   // both are per-tile extras on the critical path of whichever warps carry them, so they are
   // spread, and (pipelined) kept out of the softmax interval, which every warp spends alike.
   const int lookup_token = int(threadIdx.x) - kTileTokens;
   const bool looks_up = lookup_token >= 0 && lookup_token < kTileTokens;
+  // Tile i: [P.V of tile i - 1] QK^T of tile i | barrier | softmax of tile i | barrier. Not
+  // pipelined, a barrier also separates P.V of tile i - 1 from QK^T of tile i.
   int slot = 0;  // tile % kStages: its stage and its entries
   for (int64_t tile = 0;; ++tile) {
     const int prev = slot == 0 ? kStages - 1 : slot - 1;  // the slot of tile - 1
