@@ -64,7 +64,9 @@
 //      returns at once (the combine reads only the live splits).
 //    Why 8 warps and 64-token tiles: shared memory allows one CTA per SM, and with 4 warps (one
 //    per scheduler) the kernel was bound by instruction latency; 8 warps halve each warp's share
-//    of the conversion and P.V (+20%). 4 warps x 32-token tiles at 2 CTAs per SM measured slower.
+//    of the conversion and P.V (+20%). 4 warps x 32-token tiles at 2 CTAs per SM measured slower,
+//    and so did 16 warps for plain fp8 (271 against 232 us: each warp's fixed per-tile work, about
+//    300 instructions, doubled with the warps).
 // 2. combine_kernel (num_splits > 1 only), one CTA per (row, sequence): the live splits merged
 //    with weights exp(lse_s - max lse); empty (-inf) splits are skipped and their outputs never
 //    read; a NaN lse makes the row NaN.
@@ -734,10 +736,16 @@ __device__ __forceinline__ void write_logits(const Lane& t, const float (&acc)[2
                                              const uint32_t (&nan_lanes)[2],
                                              const int64_t* rows, int64_t tile_first,
                                              float logit_scale, float* scores) {
+  // Row g + 8h sees the tile's tokens [0, seen[h]): 32-bit compares per logit instead of 64-bit.
+  int seen[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) seen[h] = int(min64(max64(t.visible[h] - tile_first, 0), kTileTokens));
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
     const int token = t.group * kTokensPerGroup + 8 * n + 2 * t.c;
-    const bool loaded[2] = {rows[token] >= 0, rows[token + 1] >= 0};
+    // A row is -1 (masked) or a row index: its sign is its high word's (little-endian words).
+    const int32_t* words = reinterpret_cast<const int32_t*>(rows + token);
+    const bool loaded[2] = {words[1] >= 0, words[3] >= 0};
     const bool nan[2] = {((nan_lanes[n] >> (8 * t.c)) & 0xFu) != 0,
                          ((nan_lanes[n] >> (8 * t.c + 4)) & 0xFu) != 0};
 #pragma unroll
@@ -746,9 +754,8 @@ __device__ __forceinline__ void write_logits(const Lane& t, const float (&acc)[2
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int i = 2 * h + e;
-        const bool seen = loaded[e] && tile_first + token + e < t.visible[h];
         const float logit = (acc[n][0][i] + acc[n][1][i]) * logit_scale;
-        v[e] = !seen ? -INFINITY : nan[e] ? NAN : logit;
+        v[e] = !(loaded[e] && token + e < seen[h]) ? -INFINITY : nan[e] ? NAN : logit;
       }
       *reinterpret_cast<float2*>(scores + (t.g + 8 * h) * kScoreStride + token) = make_float2(v[0], v[1]);
     }
