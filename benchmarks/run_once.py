@@ -2,6 +2,7 @@
 
     python -P benchmarks/run_once.py prefill_fp8_rope 8192 96           # epilogue variant, T or B, H
     python -P benchmarks/run_once.py attention fp8_ds_mla 64 16384 12   # decode attention: format, B, context, H
+    python -P benchmarks/run_once.py gather fp8 16 4096                 # gather_mla_cache: format, B, context
 """
 
 import sys
@@ -19,6 +20,12 @@ def main(name: str, *sizes: str) -> None:
         step = _workloads.attention_step(ops.mla_decode_attention, fmt)
         for _ in range(4):  # ncu --launch-skip 2 profiles the third call, past compilation and warm-up
             outputs = step(*args)
+    elif name == "gather":  # format, B, context; bfloat16 out, as bench_attention measures it
+        fmt, batch, context = sizes[0], *map(int, sizes[1:])
+        _, cache, tables, lens, _, cache_scale_inv = _workloads.attention_inputs(fmt, batch, context, 1)
+        step = _workloads.gather_step(ops.gather_mla_cache, fmt)
+        for _ in range(4):
+            outputs = step(cache, tables, lens, cache_scale_inv)
     else:
         variant = VARIANTS[name]
         args = variant.inputs(int(sizes[0]), int(sizes[1]))

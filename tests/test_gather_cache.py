@@ -35,7 +35,7 @@ def dtype(name):
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
-def make_case(fmt, cache16, lens, block_size=8, seed=0, index=np.int32):
+def make_case(fmt, cache16, lens, block_size=8, seed=0, index=np.int32, scale_inv=CACHE_SCALE_INV):
     rng = np.random.default_rng(seed)
     B, max_blocks = len(lens), max(1, -(-max(max(lens), 1) // block_size))
     num_blocks = B * max_blocks + 2
@@ -46,9 +46,9 @@ def make_case(fmt, cache16, lens, block_size=8, seed=0, index=np.int32):
         nan_row = np.full(656, 0x7F, np.uint8)
         kw["ds_mla"] = True
     elif fmt == "fp8":
-        cache = np.array(quantize_e4m3(jnp.asarray(values), jnp.float32(CACHE_SCALE_INV)))
+        cache = np.array(quantize_e4m3(jnp.asarray(values), jnp.float32(scale_inv)))
         nan_row = np.full(ENTRY, np.nan, np.float32).astype(cache.dtype)
-        kw["cache_scale_inv"] = np.float32(CACHE_SCALE_INV)
+        kw["cache_scale_inv"] = np.float32(scale_inv)
     else:
         cache = values.astype(dtype(cache16))
         nan_row = np.full(ENTRY, np.nan, np.float32).astype(cache.dtype)
@@ -104,6 +104,17 @@ def test_matches_reference(backend, fmt, cache16, out_dtype, num_tokens):
     assert not np.isnan(got.astype(np.float32)).any(), "no readable row holds NaN: a NaN is an unwritten or misread row"
     filled = sum(max(0, min(n, 40)) for n in LENS)
     assert not got[filled:].astype(np.float32).any(), "rows past the last token are zeros"
+
+
+@pytest.mark.parametrize("scale_inv", (32.0, 1.0, 2.0**-3, 2.0**-90, 2.0**90))
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+def test_fp8_power_of_two_scale_is_exact(backend, out_dtype, scale_inv):
+    """A power-of-two cache_scale_inv divides exactly (the kernel then multiplies by its inverse):
+    bit for bit the reference, and the CPU handler's true division."""
+    args, kw = make_case("fp8", None, LENS, scale_inv=scale_inv, seed=6)
+    got = poisoned_run(args, kw, backend, None, dtype(out_dtype))
+    assert_bits_equal(got, run(reference.gather_mla_cache, args, kw, "cpu", None, dtype(out_dtype)), f"scale {scale_inv}")
+    assert_bits_equal(got, run(jax_kimi_mla.gather_mla_cache, args, kw, "cpu", None, dtype(out_dtype)), "CPU handler")
 
 
 def test_packing_and_zero_rows():

@@ -175,10 +175,11 @@ __device__ __noinline__ void store_codes_reference(uint8_t* dst, uint2 c, float 
 // for all codes and all significands of d). It needs nothing to underflow or overflow: x is 0 or in
 // [2^-17, 448], so 2^-100 < |d| < 2^100 (`fast`) is enough; otherwise every group takes the
 // reference path. A zero code gives r = +0 and thus q = +0 where q0 = -0: q takes q0's sign (for a
-// nonzero quotient they agree already).
+// nonzero quotient they agree already). Where d is a power of two (scales usually are), y is exact
+// and so is q0 = x y, normal for every code: q = q0, one multiply (`pow2`).
 struct Fp8Divisor {
   float s = 1.0f, d = 1.0f, y = 1.0f;
-  bool fast = true;
+  bool fast = true, pow2 = false;
 };
 
 template <CacheFormat kFormat, OutType kOut>
@@ -187,6 +188,11 @@ __device__ __forceinline__ void store_codes(uint8_t* dst, uint2 c, float tile_sc
   if constexpr (kFormat == CacheFormat::kFp8) {
     if (!div.fast || has_nan_code(c)) return store_codes_reference<kFormat, kOut>(dst, c, div.s);
     codes_to_f32(c, x);
+    if (div.pow2) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] = __fmul_rn(x[i], div.y);
+      return store_values<kOut, true>(dst, x);
+    }
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const float q0 = __fmul_rn(x[i], div.y);
@@ -264,6 +270,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) gather_kernel(Gathe
     div.d = kCodeUnit == 1.0f ? div.s : __fmul_rn(div.s, kCodeUnit);
     div.y = __frcp_rn(div.d);
     div.fast = fabsf(div.d) > 0x1p-100f && fabsf(div.d) < 0x1p100f;
+    div.pow2 = div.fast && (__float_as_uint(div.d) & 0x007FFFFFu) == 0;  // normal: no mantissa bits
   }
 
   const int64_t stride = int64_t(gridDim.x) * kWarps;
