@@ -175,7 +175,7 @@ __device__ __noinline__ void store_codes_reference(uint8_t* dst, uint2 c, float 
 // for all codes and all significands of d). It needs nothing to underflow or overflow: x is 0 or in
 // [2^-17, 448], so 2^-100 < |d| < 2^100 (`fast`) is enough; otherwise every group takes the
 // reference path. A zero code gives r = +0 and thus q = +0 where q0 = -0: q takes q0's sign (for a
-// nonzero quotient they agree already). Where d is a power of two (scales usually are), y is exact
+// nonzero quotient they agree already). Where d is a power of two (a scale of 1.0, say), y is exact
 // and so is q0 = x y, normal for every code: q = q0, one multiply (`pow2`).
 struct Fp8Divisor {
   float s = 1.0f, d = 1.0f, y = 1.0f;
