@@ -212,8 +212,7 @@ def measure_case(case: Case, sizes: Sizes, ceiling: float, matmul_tflops: float 
         del args
         row["weight_bytes"], row["bytes"] = layer_bytes(case, sizes.hidden)
     elif case.section == "gather":
-        _, *args, _, cache_scale_inv = attention_inputs(case, seed)
-        args.append(cache_scale_inv)
+        args = _workloads.gather_inputs(case.fmt, case.batch, case.context, seed=seed)
         op, op_error = timed(_workloads.gather_step(jax_kimi_mla.gather_mla_cache, case.fmt), args, {})
         ref, ref_error = timed(_workloads.gather_step(jax_kimi_mla.reference.gather_mla_cache, case.fmt), args, {})
         del args

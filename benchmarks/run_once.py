@@ -22,10 +22,10 @@ def main(name: str, *sizes: str) -> None:
             outputs = step(*args)
     elif name == "gather":  # format, B, context; bfloat16 out, as bench_attention measures it
         fmt, batch, context = sizes[0], *map(int, sizes[1:])
-        _, cache, tables, lens, _, cache_scale_inv = _workloads.attention_inputs(fmt, batch, context, 1)
+        args = _workloads.gather_inputs(fmt, batch, context)
         step = _workloads.gather_step(ops.gather_mla_cache, fmt)
         for _ in range(4):
-            outputs = step(cache, tables, lens, cache_scale_inv)
+            outputs = step(*args)
     else:
         variant = VARIANTS[name]
         args = variant.inputs(int(sizes[0]), int(sizes[1]))

@@ -304,6 +304,13 @@ def attention_inputs(fmt: str, batch: int, context: int, heads: int, q_tokens: i
     return [q, random_cache(k_cache, fmt, num_blocks), jnp.asarray(tables), jnp.asarray(lens), *scales]
 
 
+def gather_inputs(fmt: str, batch: int, context: int, *, seed: int = 0) -> list:
+    """[kv_cache, block_tables, context_lens, cache_scale_inv] of one gather_mla_cache call: the
+    cache and paging of ``attention_inputs`` (every sequence at ``context`` tokens)."""
+    _, cache, tables, lens, _, cache_scale_inv = attention_inputs(fmt, batch, context, 1, seed=seed)
+    return [cache, tables, lens, cache_scale_inv]
+
+
 def attention_step(fn, fmt: str, *, return_lse: bool = False):
     """``fn`` (mla_decode_attention or its reference) jitted on attention_inputs' list
     [mqa_q, kv_cache, block_tables, context_lens, q_scale_inv, cache_scale_inv]; the split count
