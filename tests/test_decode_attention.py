@@ -243,3 +243,14 @@ def test_cuda_long_contexts(fmt, q_dtype):
     args, kw = make_case(fmt, q_dtype, lens=(5000, 1, 4096, 2049), q_tokens=2, heads=16, block_size=64, seed=3)
     want = run(reference.mla_decode_attention, args, kw, "cpu")
     assert_close(fmt, q_dtype, poisoned_run(args, kw, "cuda"), want)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt,q_dtype", (("bf16", "bfloat16"), ("fp8_ds_mla", "bfloat16")))
+def test_cuda_combine_of_many_rows(fmt, q_dtype):
+    """B x S_q x H = 384 rows, more than twice the SMs of the GPUs the kernel runs on: the
+    combine's narrow CTAs (the other tests take its 16-warp ones)."""
+    lens = (0, 1, 63, 64, 65, 300, 511, 2, 129, 200, 77, 400)
+    args, kw = make_case(fmt, q_dtype, lens=lens, q_tokens=2, heads=16, block_size=32, seed=11)
+    want = run(reference.mla_decode_attention, args, kw, "cpu")
+    assert_close(fmt, q_dtype, poisoned_run(args, dict(kw, num_splits=5), "cuda"), want)

@@ -5,7 +5,7 @@
 //
 // 1. attention_kernel, grid (num_splits, ceil(S_q*H / 16), B folded into grid z), sm_90+. A CTA
 //    of 8 warps takes 16 query rows of one sequence (rows past S_q*H are zero padding, never
-//    stored) and the tokens [split_begin, split_end) of its split, in 64-token tiles:
+//    stored) and the tokens of its split, in 64-token tiles:
 //    - The 16 x 576 query tile goes to shared memory once, in the MMA element type (bf16, or f16
 //      when q and the cache values are all exact in f16: f16 q over an f16 or plain fp8 cache, and
 //      E4M3 q, which always comes with the plain fp8 cache; E4M3 q codes become exact values),
@@ -59,17 +59,22 @@
 //      its V tile is the stage, and P lies over the logits): P.V of tile i - 1, then tile i has
 //      landed; QK^T; the softmax.
 //    - End: one split writes out (rounded to the output dtype) and lse directly; several splits
-//      each write their partial (512 normalized floats, then the natural-log lse; -inf and zeros
-//      for a row that saw no token of the split). A CTA whose split starts at or past the length
-//      returns at once (the combine reads only the live splits).
+//      each write their partial (512 normalized floats and the natural-log lse; -inf and zeros
+//      for a row that saw no token of the split). The rows leave through shared memory, in whole
+//      16-byte pieces. A CTA whose split starts at or past the length returns at once (the
+//      combine reads only the live splits).
+//    - The prologue is a chain of global latencies (length, block table, first tile) that a
+//      one-tile CTA (B = 1) mostly waits on: the query's loads are in flight with the lookups,
+//      and the first copies are issued before the query tile is written.
 //    Why 8 warps and 64-token tiles: shared memory allows one CTA per SM, and with 4 warps (one
 //    per scheduler) the kernel was bound by instruction latency; 8 warps halve each warp's share
 //    of the conversion and P.V (+20%). 4 warps x 32-token tiles at 2 CTAs per SM measured slower,
 //    and so did 16 warps for plain fp8 (271 against 232 us: each warp's fixed per-tile work, about
 //    300 instructions, doubled with the warps).
-// 2. combine_kernel (num_splits > 1 only), one CTA per (row, sequence): the live splits merged
-//    with weights exp(lse_s - max lse); empty (-inf) splits are skipped and their outputs never
-//    read; a NaN lse makes the row NaN.
+// 2. combine_kernel (num_splits > 1 only), one CTA per (row, sequence), 16 warps when the rows
+//    are fewer than twice the SMs (a row's splits loaded in one round), else 4: the live splits
+//    merged with weights exp(lse_s - max lse); empty (-inf) splits are skipped and their outputs
+//    never read; a NaN lse makes the row NaN.
 //
 // Numerics of the edges: a row that sees no visible unmasked token gets zeros and lse -inf (no
 // -inf - -inf, no division by 0); a NaN in a visible token reaches that row's output and lse; a
@@ -121,7 +126,6 @@ constexpr int kScoreStride = kTileTokens + 8;  // floats per logit row: float2 a
 constexpr int kChunkBytes = kTileTokens * 128;  // a swizzled 16-bit tile: 64 rows of one 64-column chunk
 constexpr int kBoxRows = 16;                    // the smaller TMA box: rows of a 16-token group
 constexpr int64_t kMaxGridYZ = 65535;
-constexpr int kCombineWarps = 8;
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 static_assert(kColumnHalves == 2 && kTokensPerGroup == 16 && kOutBlocks % 2 == 0,
               "a warp's logits are two n-blocks of one column half");
@@ -397,31 +401,53 @@ static_assert(mma_column_is_a_pair_preserving_permutation<CacheFormat::kFp8>() &
               mma_column_is_a_pair_preserving_permutation<CacheFormat::kFp8DsMla>());
 
 // The 16 x 576 query tile of rows row0.. of sequence b, in the MMA element type; for the 1-byte
-// formats in the column order of mma_column (pairs of columns stay together).
-template <CacheFormat kFormat, ActType kElem>
-__device__ void load_q(const DecodeAttention& a, int64_t b, int64_t row0, uint8_t* q_tile) {
-  constexpr int kChunks = kEntry / 8;  // 8 elements each
+// formats in the column order of mma_column (pairs of columns stay together). In two steps, so
+// that all of a thread's loads are in flight at once and the first tiles' copies are issued
+// between them: fetch_q loads this thread's chunks (8 elements each) into registers, store_q
+// converts them and writes the tile.
+constexpr int kQChunks = kTileRows * kEntry / 8;
+constexpr int kQChunksPerThread = (kQChunks + kThreads - 1) / kThreads;
+
+template <ActType kElem>
+__device__ __forceinline__ void fetch_q(const DecodeAttention& a, int64_t b, int64_t row0,
+                                        uint4 (&v)[kQChunksPerThread]) {
+  constexpr int kChunksPerRow = kEntry / 8;
   const int64_t rows = a.rows();
-  for (int c = threadIdx.x; c < kTileRows * kChunks; c += kThreads) {
-    const int r = c / kChunks, chunk = c - r * kChunks;
-    uint4 v = make_uint4(0, 0, 0, 0);  // padding rows
-    if (row0 + r < rows) {
-      const int64_t elem = (b * rows + row0 + r) * kEntry + chunk * 8;
+#pragma unroll
+  for (int i = 0; i < kQChunksPerThread; ++i) {
+    const int c = int(threadIdx.x) + i * kThreads, r = c / kChunksPerRow;
+    v[i] = make_uint4(0, 0, 0, 0);  // padding rows
+    if (c < kQChunks && row0 + r < rows) {
+      const int64_t elem = (b * rows + row0 + r) * kEntry + (c - r * kChunksPerRow) * 8;
       if (a.q_type == QType::kE4m3) {
-        const uint8_t* codes = static_cast<const uint8_t*>(a.q) + elem;
-        v = e4m3x8_exact<kElem>(__ldg(reinterpret_cast<const uint2*>(codes)));
+        const uint2 codes = __ldg(reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(a.q) + elem));
+        v[i] = make_uint4(codes.x, codes.y, 0, 0);
       } else {
-        v = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.q) + elem));
-        // A bf16 q always meets bf16 elements; an f16 q meets bf16 ones with the ds_mla cache.
-        if (kElem == ActType::kBF16 && a.q_type == QType::kF16) v = f16x8_to_bf16(v);
+        v[i] = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.q) + elem));
       }
     }
+  }
+}
+
+template <CacheFormat kFormat, ActType kElem>
+__device__ __forceinline__ void store_q(const DecodeAttention& a, const uint4 (&fetched)[kQChunksPerThread],
+                                        uint8_t* q_tile) {
+  constexpr int kChunksPerRow = kEntry / 8;
+#pragma unroll
+  for (int i = 0; i < kQChunksPerThread; ++i) {
+    const int c = int(threadIdx.x) + i * kThreads, r = c / kChunksPerRow, chunk = c - r * kChunksPerRow;
+    if (c >= kQChunks) break;
+    uint4 v = fetched[i];
+    if (a.q_type == QType::kE4m3)
+      v = e4m3x8_exact<kElem>(make_uint2(v.x, v.y));
+    else if (kElem == ActType::kBF16 && a.q_type == QType::kF16)  // f16 q meets bf16 with ds_mla
+      v = f16x8_to_bf16(v);
     uint8_t* q_row = q_tile + r * kRowBytes;
     if constexpr (Layout<kFormat>::kConverts) {
       const uint32_t pairs[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        *reinterpret_cast<uint32_t*>(q_row + 2 * mma_column<kFormat>(chunk * 8 + 2 * i)) = pairs[i];
+      for (int j = 0; j < 4; ++j)
+        *reinterpret_cast<uint32_t*>(q_row + 2 * mma_column<kFormat>(chunk * 8 + 2 * j)) = pairs[j];
     } else {
       *reinterpret_cast<uint4*>(q_row + chunk * 16) = v;
     }
@@ -900,38 +926,51 @@ __device__ __forceinline__ void pv_accumulate(const Lane& t, const uint32_t (&p)
     }
 }
 
-// Rows g and g + 8: normalized output and lse, to out/lse (one split) or to the split's partial.
+// The CTA's 16 normalized output rows, to out/lse (one split) or to the split's partial. The
+// fragments scatter each row over 8 warps, so they go through shared memory (`staging`, free once
+// the tiles are done) and leave as whole 16-byte pieces of consecutive columns: stored straight
+// from the fragments, the 8 rows of each store instruction touched 8 lines, and at B = 1 (one
+// tile per CTA) that took as long as the tile (2.3 us).
+constexpr int kStagingStride = kLatent + 8;  // floats per staged row (float2 writes of 8 rows: 2-way)
+
 __device__ __forceinline__ void write_rows(const DecodeAttention& a, const Work& w, const Lane& t,
                                            const Scales& scales, const RowStats& stats,
-                                           const float (&out)[kOutBlocks][4]) {
+                                           const float (&out)[kOutBlocks][4], float* staging) {
   const int64_t rows = a.rows();
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const float sum = stats.sum[t.g + 8 * h];
-    const int64_t r = w.row0 + t.g + 8 * h;
-    if (r >= rows) continue;
+    const int row = t.g + 8 * h;
+    const float sum = stats.sum[row];
     const bool empty = sum == 0.0f;  // saw no visible unmasked token; a NaN sum is not empty
     const float norm = empty ? 0.0f : scales.out / sum;
-    const float lse = empty ? -INFINITY : (stats.max[t.g + 8 * h] + log2f(sum)) * kLn2;
-    const int col = t.warp * kColsPerWarp + 2 * t.c;
-    const bool lse_writer = t.warp == 0 && t.c == 0;
+    float* dst = staging + row * kStagingStride + t.warp * kColsPerWarp + 2 * t.c;
+#pragma unroll
+    for (int n = 0; n < kOutBlocks; ++n)
+      *reinterpret_cast<float2*>(dst + 8 * n) =
+          empty ? make_float2(0.0f, 0.0f) : make_float2(out[n][2 * h] * norm, out[n][2 * h + 1] * norm);
+    const int64_t r = w.row0 + row;
+    if (t.warp == 0 && t.c == 0 && r < rows) {
+      const float lse = empty ? -INFINITY : (stats.max[row] + log2f(sum)) * kLn2;
+      if (a.num_splits == 1) a.lse[w.b * rows + r] = lse;
+      else *a.partial_lse(int(blockIdx.x), w.b, r) = lse;
+    }
+  }
+  __syncthreads();
+  constexpr int kPieces = kLatent / 8;  // 8 values (16 bytes out, 32 bytes partial) per piece
+  for (int i = int(threadIdx.x); i < kTileRows * kPieces; i += kThreads) {
+    const int row = i / kPieces, col = 8 * (i % kPieces);
+    const int64_t r = w.row0 + row;
+    if (r >= rows) break;  // padding rows are last
+    const float4 lo = *reinterpret_cast<const float4*>(staging + row * kStagingStride + col);
+    const float4 hi = *reinterpret_cast<const float4*>(staging + row * kStagingStride + col + 4);
     if (a.num_splits == 1) {
-      uint16_t* o = static_cast<uint16_t*>(a.out) + (w.b * rows + r) * kLatent + col;
-#pragma unroll
-      for (int n = 0; n < kOutBlocks; ++n) {
-        const float x0 = empty ? 0.0f : out[n][2 * h] * norm;
-        const float x1 = empty ? 0.0f : out[n][2 * h + 1] * norm;
-        store4(o + 8 * n, a.act == ActType::kBF16 ? bf16x2(x0, x1) : f16x2(x0, x1));
-      }
-      if (lse_writer) a.lse[w.b * rows + r] = lse;
+      const bool bf16 = a.act == ActType::kBF16;
+      const uint4 v = bf16 ? make_uint4(bf16x2(lo.x, lo.y), bf16x2(lo.z, lo.w), bf16x2(hi.x, hi.y), bf16x2(hi.z, hi.w))
+                           : make_uint4(f16x2(lo.x, lo.y), f16x2(lo.z, lo.w), f16x2(hi.x, hi.y), f16x2(hi.z, hi.w));
+      *reinterpret_cast<uint4*>(static_cast<uint16_t*>(a.out) + (w.b * rows + r) * kLatent + col) = v;
     } else {
-      float* part = a.partial(int(blockIdx.x), w.b, r);
-#pragma unroll
-      for (int n = 0; n < kOutBlocks; ++n) {
-        part[col + 8 * n] = empty ? 0.0f : out[n][2 * h] * norm;
-        part[col + 8 * n + 1] = empty ? 0.0f : out[n][2 * h + 1] * norm;
-      }
-      if (lse_writer) part[kLatent] = lse;
+      float4* part = reinterpret_cast<float4*>(a.partial(int(blockIdx.x), w.b, r) + col);
+      part[0] = lo, part[1] = hi;
     }
   }
 }
@@ -947,14 +986,15 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, int64_t b
   Work w;
   w.b = b;
   w.row0 = int64_t(blockIdx.y) * kTileRows;
-  w.first = a.split_begin(len, split);
+  const int64_t split_tokens = a.split_tokens(len);  // one division: its bounds follow
+  w.first = split * split_tokens;
   if (a.num_splits > 1 && w.first >= len) return;  // not a live split: the combine skips it
   // Rows are (query token, head): the first row of the CTA sees the fewest tokens, its last real
   // row the most; no row sees tokens past seen_by_any, so those are not loaded.
   const int64_t last_row = min64(w.row0 + kTileRows, rows) - 1;
-  const int64_t seen_by_all = a.visible_len(len, w.row0 / a.heads);
-  const int64_t seen_by_any = a.visible_len(len, last_row / a.heads);
-  w.load_end = min64(a.split_end(len, split), seen_by_any);
+  const int64_t seen_by_all = a.row_visible_len(len, w.row0);
+  const int64_t seen_by_any = a.row_visible_len(len, last_row);
+  w.load_end = min64(min64(w.first + split_tokens, len), seen_by_any);
   w.n_tiles = w.load_end > w.first ? (w.load_end - w.first + kTileTokens - 1) / kTileTokens : 0;
 
   Lane t;
@@ -964,7 +1004,7 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, int64_t b
 #pragma unroll
   for (int h = 0; h < 2; ++h) {  // padding rows see as much as the last real row
     const int64_t r = w.row0 + t.g + 8 * h;
-    t.visible[h] = r < rows ? a.visible_len(len, r / a.heads) : seen_by_any;
+    t.visible[h] = r < rows ? a.row_visible_len(len, r) : seen_by_any;
   }
 
   constexpr int kStages = L::kStages;
@@ -992,16 +1032,26 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, int64_t b
     return L::kConverts ? smem + L::kVTile + int(tile & 1) * L::kVTileBytes : raw + s * L::kRawTileBytes;
   };
 
+  // The prologue: the query's loads in flight with the lookups, the first copies issued before
+  // the query tile is written (they land elsewhere).
   __syncthreads();  // this CTA's previous sequence is done with the shared memory
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) mbarrier_init(stage_full + s, L::kSwizzled ? 32 : kTileTokens);
     mbarrier_init_fence();
   }
-  load_q<kFormat, kElem>(a, b, w.row0, q_tile);
-  if constexpr (L::kSwizzled) fence_proxy_async();  // Q lies in the last stage, where a tile lands later
+  uint4 q_fetched[kQChunksPerThread];
+  fetch_q<kElem>(a, b, w.row0, q_fetched);
   if (threadIdx.x < kStages * kTileTokens)
     tile_rows[threadIdx.x] = tile_token_row(a, w, threadIdx.x / kTileTokens, threadIdx.x % kTileTokens);
-  __syncthreads();
+  __syncthreads();  // the rows of the first tiles and the mbarriers are ready
+  // In flight before the loop: every stage when pipelined, else all but the one Q lies in.
+  constexpr int kFirstIssued = L::kPipelined ? kStages : kStages - 1;
+#pragma unroll
+  for (int s = 0; s < kFirstIssued; ++s)
+    if (s < w.n_tiles) issue(s);
+  store_q<kFormat, kElem>(a, q_fetched, q_tile);
+  if constexpr (L::kSwizzled) fence_proxy_async();  // Q lies in the last stage, where a tile lands later
+  __syncthreads();  // the query tile is complete
   // Column half 0 takes k-steps [0, kHalfStep), half 1 the rest (warp-uniform branches).
   constexpr int kHalfStep = L::kHalfStep, kHalfBlock = kHalfStep / 4;
   uint32_t q[L::kQSteps][4];
@@ -1009,11 +1059,6 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, int64_t b
     load_q_fragments<0, kHalfStep>(t, q_tile, q);
   else
     load_q_fragments<kHalfStep, kQkSteps - kHalfStep>(t, q_tile, q);
-  // In flight before the loop: every stage when pipelined, else all but the one Q lies in.
-  constexpr int kFirstIssued = L::kPipelined ? kStages : kStages - 1;
-#pragma unroll
-  for (int s = 0; s < kFirstIssued; ++s)
-    if (s < w.n_tiles) issue(s);
   uint32_t parity = 0;  // bit s: the phase of stage s's mbarrier that the next wait expects
 
   float out[kOutBlocks][4] = {};
@@ -1094,7 +1139,9 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, int64_t b
   }
   publish_row_state(t, state, stats);
   __syncthreads();
-  write_rows(a, w, t, scales, stats, out);
+  static_assert(L::kStages * L::kRawTileBytes >= kTileRows * kStagingStride * int(sizeof(float)),
+                "the output rows are staged over the tiles' stages");
+  write_rows(a, w, t, scales, stats, out, reinterpret_cast<float*>(smem + L::kRaw));
 }
 
 template <CacheFormat kFormat, ActType kElem>
@@ -1106,63 +1153,88 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 }
 
 // One CTA per (query row, sequence): out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max lse)
-// over the live splits whose lse is not -inf; lse = max + log(sum w_s). Warp w merges splits w,
-// w + 8, ... (lane: the column pairs 64k + 2 lane); the loop body has no branch, so the loads of
-// several splits are in flight at once; the warps' sums then meet in a fixed order.
+// over the live splits whose lse is not -inf; lse = max + log(sum w_s). At B = 1 the combine is
+// on the critical path of a call, so its loads are few rounds of latency: warp w merges splits
+// w, w + 16, ... in rounds of kCombineRound splits whose lse and outputs are all loaded at once
+// (lane: columns 4 lane + 128 k), with its own running max; the warps' sums then meet, rescaled
+// to the common max, in a fixed order. An empty (-inf) split is skipped and its outputs never
+// enter the sums; a NaN lse makes the row NaN.
+constexpr int kCombineRound = 4;
+
+template <int kCombineWarps>
 __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const DecodeAttention a) {
-  __shared__ float warp_acc[kCombineWarps][kLatent];
-  __shared__ float warp_weight[kCombineWarps], warp_max[kCombineWarps];
+  __shared__ __align__(16) float warp_acc[kCombineWarps][kLatent];
+  __shared__ float warp_weight[kCombineWarps], warp_max[kCombineWarps], warp_factor[kCombineWarps], row_stats[2];
+  static_assert(kCombineWarps <= 32, "warp 0 rescales the warps' sums, a lane each");
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const int64_t rows = a.rows(), r = blockIdx.x;
   for (int64_t b = blockIdx.y; b < a.batch; b += gridDim.y) {
     const int live = a.live_splits(a.context_len(b));
-    float max_lse = -INFINITY;  // fmaxf skips NaN: a NaN lse propagates through its weight
-    for (int s = int(threadIdx.x); s < live; s += 32 * kCombineWarps)
-      max_lse = fmaxf(max_lse, a.partial(s, b, r)[kLatent]);
-    for (int m = 16; m > 0; m /= 2) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xFFFFFFFFu, max_lse, m));
-    __syncthreads();  // the previous sequence is done with the shared sums
-    if (lane == 0) warp_max[warp] = max_lse;
+    float4 acc[kLatent / 128] = {};
+    float weight_sum = 0.0f, max_lse = -INFINITY;  // this warp's sums, relative to max_lse
+    for (int first = warp; first < live; first += kCombineWarps * kCombineRound) {
+      float4 o[kCombineRound][kLatent / 128];
+      float lse[kCombineRound];
+#pragma unroll
+      for (int i = 0; i < kCombineRound; ++i) {
+        const int s = first + i * kCombineWarps;
+        lse[i] = s < live ? *a.partial_lse(s, b, r) : -INFINITY;
+        const float4* part = reinterpret_cast<const float4*>(a.partial(s < live ? s : first, b, r));
+#pragma unroll
+        for (int k = 0; k < kLatent / 128; ++k) o[i][k] = part[32 * k + lane];
+      }
+#pragma unroll
+      for (int i = 0; i < kCombineRound; ++i) {
+        if (lse[i] == -INFINITY) continue;  // empty, or no such split
+        const float new_max = fmaxf(max_lse, lse[i]);  // skips NaN: a NaN lse propagates through its weight
+        const float rescale = max_lse == -INFINITY ? 1.0f : expf(max_lse - new_max);
+        const float weight = expf(lse[i] - (new_max == -INFINITY ? 0.0f : new_max));
+        max_lse = new_max;
+        weight_sum = fmaf(weight_sum, rescale, weight);
+#pragma unroll
+        for (int k = 0; k < kLatent / 128; ++k) {
+          acc[k].x = fmaf(weight, o[i][k].x, acc[k].x * rescale);
+          acc[k].y = fmaf(weight, o[i][k].y, acc[k].y * rescale);
+          acc[k].z = fmaf(weight, o[i][k].z, acc[k].z * rescale);
+          acc[k].w = fmaf(weight, o[i][k].w, acc[k].w * rescale);
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kLatent / 128; ++k) reinterpret_cast<float4*>(warp_acc[warp])[32 * k + lane] = acc[k];
+    if (lane == 0) warp_weight[warp] = weight_sum, warp_max[warp] = max_lse;
     __syncthreads();
-    for (int w = 0; w < kCombineWarps; ++w) max_lse = fmaxf(max_lse, warp_max[w]);
-    const float shift = max_lse == -INFINITY ? 0.0f : max_lse;
 
-    float acc[kLatent / 32] = {};
-    float weight_sum = 0.0f;
-#pragma unroll 4
-    for (int s = warp; s < live; s += kCombineWarps) {
-      const float* part = a.partial(s, b, r);
-      float o[kLatent / 32];
+    if (warp == 0) {  // each warp's factor to the row's max, once: lane w < kCombineWarps for warp w
+      const float m = lane < kCombineWarps ? warp_max[lane] : -INFINITY;
+      float row_max = m;
 #pragma unroll
-      for (int k = 0; k < kLatent / 64; ++k)
-        o[2 * k] = part[64 * k + 2 * lane], o[2 * k + 1] = part[64 * k + 2 * lane + 1];
-      const float lse = part[kLatent];
-      const bool used = lse != -INFINITY;  // an empty split's outputs never enter the sums
-      const float weight = used ? expf(lse - shift) : 0.0f;
-      weight_sum += weight;
-#pragma unroll
-      for (int i = 0; i < kLatent / 32; ++i) acc[i] = used ? fmaf(weight, o[i], acc[i]) : acc[i];
+      for (int k = 16; k > 0; k /= 2) row_max = fmaxf(row_max, __shfl_xor_sync(0xFFFFFFFFu, row_max, k));
+      // A warp that merged no split has zero sums (NaN ones after a NaN lse): any finite factor
+      // keeps them so.
+      const float factor = m == -INFINITY ? 1.0f : expf(m - row_max);
+      float weight = lane < kCombineWarps ? factor * warp_weight[lane] : 0.0f;
+      for (int k = 1; k < 32; k *= 2) weight += __shfl_xor_sync(0xFFFFFFFFu, weight, k);  // fixed order
+      if (lane < kCombineWarps) warp_factor[lane] = factor;
+      if (lane == 0) row_stats[0] = row_max, row_stats[1] = weight;
     }
-#pragma unroll
-    for (int k = 0; k < kLatent / 64; ++k) {
-      warp_acc[warp][64 * k + 2 * lane] = acc[2 * k];
-      warp_acc[warp][64 * k + 2 * lane + 1] = acc[2 * k + 1];
-    }
-    if (lane == 0) warp_weight[warp] = weight_sum;
     __syncthreads();
-
-    static_assert(32 * kCombineWarps * 2 == kLatent, "a thread writes one column pair");
-    float total[2] = {0.0f, 0.0f}, total_weight = 0.0f;
-    for (int w = 0; w < kCombineWarps; ++w) {
-      total[0] += warp_acc[w][2 * threadIdx.x], total[1] += warp_acc[w][2 * threadIdx.x + 1];
-      total_weight += warp_weight[w];
-    }
+    const float row_max = row_stats[0], total_weight = row_stats[1];
     const bool empty = total_weight == 0.0f;  // no live split saw a token (NaN is not empty)
-    const float norm = empty ? 0.0f : 1.0f / total_weight;
-    uint32_t* out =
-        reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(a.out) + (b * rows + r) * kLatent);
-    const float x0 = total[0] * norm, x1 = total[1] * norm;
-    out[threadIdx.x] = a.act == ActType::kBF16 ? bf16x2(x0, x1) : f16x2(x0, x1);
-    if (threadIdx.x == 0) a.lse[b * rows + r] = empty ? -INFINITY : shift + logf(total_weight);
+    for (int col = 2 * int(threadIdx.x); col < kLatent; col += 64 * kCombineWarps) {
+      float2 total = make_float2(0.0f, 0.0f);
+#pragma unroll
+      for (int w = 0; w < kCombineWarps; ++w) {
+        const float2 pair = *reinterpret_cast<const float2*>(&warp_acc[w][col]);
+        total.x = fmaf(warp_factor[w], pair.x, total.x), total.y = fmaf(warp_factor[w], pair.y, total.y);
+      }
+      const float x0 = empty ? 0.0f : total.x / total_weight, x1 = empty ? 0.0f : total.y / total_weight;
+      reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(a.out) + (b * rows + r) * kLatent)[col / 2] =
+          a.act == ActType::kBF16 ? bf16x2(x0, x1) : f16x2(x0, x1);
+    }
+    if (threadIdx.x == 0)
+      a.lse[b * rows + r] = empty ? -INFINITY : (row_max == -INFINITY ? 0.0f : row_max) + logf(total_weight);
+    __syncthreads();  // the next sequence's sums go where these were read
   }
 }
 
@@ -1272,8 +1344,17 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a) {
       break;
   }
   if (err.failure()) return err;
-  if (a.num_splits > 1)
-    combine_kernel<<<dim3(unsigned(rows), batch_blocks), 32 * kCombineWarps, 0, stream>>>(a);
+  if (a.num_splits > 1) {
+    // Few rows (small B): 16 warps a row, so that a row's splits are loaded in one round; many
+    // rows: 4 warps, so that the CTAs are small and many are resident.
+    int sm_count = 0;
+    cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
+    const dim3 combine_grid(unsigned(rows), batch_blocks);
+    if (rows * batch_blocks < 2 * int64_t(sm_count))
+      combine_kernel<16><<<combine_grid, 32 * 16, 0, stream>>>(a);
+    else
+      combine_kernel<4><<<combine_grid, 32 * 4, 0, stream>>>(a);
+  }
   const cudaError_t launch_err = cudaGetLastError();
   return launch_err == cudaSuccess ? ffi::Error::Success() : cuda_error("kernel launch", launch_err);
 }

@@ -13,7 +13,7 @@ namespace jax_kimi_mla {
 // fp8_ds_mla, float8_e4m3fn: plain fp8, bf16/f16: the activation dtype of the query).
 enum class QType : uint8_t { kBF16, kF16, kE4m3 };
 
-inline constexpr int kAttnRowStats = kLatent + 1;  // a partial result: 512 outputs, then its lse
+inline constexpr int kAttnRowStats = kLatent + 1;  // floats of a partial per query row: 512 outputs, an lse
 inline constexpr int kMaxQueryTokens = 4;          // S_q: new tokens per sequence
 
 struct DecodeAttention : PagedCache {
@@ -26,7 +26,8 @@ struct DecodeAttention : PagedCache {
   const float* q_scale_inv = nullptr;
   void* out = nullptr;    // [B * S_q, H, 512] act
   float* lse = nullptr;   // [B * S_q, H] float32, natural log
-  // Split-KV partials (num_splits > 1 only): [num_splits, B, S_q * H, kAttnRowStats] float32.
+  // Split-KV partials (num_splits > 1 only), float32: the outputs [num_splits, B, S_q * H, 512],
+  // then the lse [num_splits, B, S_q * H] (outputs apart so that their rows are 16-byte aligned).
   float* partials = nullptr;
   int num_splits = 1;
 
@@ -38,28 +39,29 @@ struct DecodeAttention : PagedCache {
     const int64_t n = len - q_tokens + 1 + j;
     return n < 0 ? 0 : n;
   }
+  // The same for query row r (query r / H): no division for the usual S_q = 1.
+  JKM_HD int64_t row_visible_len(int64_t len, int64_t r) const {
+    return q_tokens == 1 ? len : visible_len(len, r / heads);
+  }
 
-  // Split s of a sequence of `len` tokens covers tokens [split_begin, split_end): equal runs of
-  // whole kSplitTokens tiles, the last ones possibly empty (skipped on the device; the combine
-  // reads only splits with split_begin < len).
+  // Split s of a sequence of `len` tokens covers tokens [s * per, min((s + 1) * per, len)), per =
+  // split_tokens(len): equal runs of whole kSplitTokens tiles, the last ones possibly empty
+  // (skipped on the device; the combine reads only splits with s * per < len).
   static constexpr int64_t kSplitTokens = 64;
   JKM_HD int64_t split_tokens(int64_t len) const {
     const int64_t per = (len + num_splits - 1) / num_splits;
     return (per + kSplitTokens - 1) / kSplitTokens * kSplitTokens;
-  }
-  JKM_HD int64_t split_begin(int64_t len, int s) const { return s * split_tokens(len); }
-  JKM_HD int64_t split_end(int64_t len, int s) const {
-    const int64_t e = (s + 1) * split_tokens(len);
-    return e < len ? e : len;
   }
   JKM_HD int live_splits(int64_t len) const {  // splits with at least one token
     const int64_t per = split_tokens(len);
     return per == 0 ? 0 : int((len + per - 1) / per);
   }
 
-  // Partial result of split s for query row r of sequence b: 512 normalized outputs, then lse.
-  JKM_HD float* partial(int s, int64_t b, int64_t r) const {
-    return partials + ((int64_t(s) * batch + b) * rows() + r) * kAttnRowStats;
+  // Partial result of split s for query row r of sequence b: 512 normalized outputs, and its lse.
+  JKM_HD int64_t partial_row(int s, int64_t b, int64_t r) const { return (int64_t(s) * batch + b) * rows() + r; }
+  JKM_HD float* partial(int s, int64_t b, int64_t r) const { return partials + partial_row(s, b, r) * kLatent; }
+  JKM_HD float* partial_lse(int s, int64_t b, int64_t r) const {
+    return partials + int64_t(num_splits) * batch * rows() * kLatent + partial_row(s, b, r);
   }
 };
 
