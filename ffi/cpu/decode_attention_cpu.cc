@@ -20,13 +20,6 @@ float q_value(const DecodeAttention& a, int64_t i) {
   return 0.0f;
 }
 
-// The float32 values of the entry at a cache row: plain fp8 codes divided by cache_scale_inv.
-void entry_values(const DecodeAttention& a, int64_t cache_row, float v[kEntry]) {
-  const uint8_t* entry = a.cache + cache_row * a.row_bytes;
-  const float inv = a.cache_scale_inv != nullptr ? *a.cache_scale_inv : 1.0f;
-  for (int c = 0; c < kEntry; ++c) v[c] = entry_value(a, entry, c) / inv;
-}
-
 // Query token j of sequence b, all heads at once, so that each entry is dequantized once per
 // pass rather than once per head.
 // q . k over 576 columns in 8 interleaved partial sums (a loop the compiler can vectorize).
@@ -53,7 +46,7 @@ void attend(const DecodeAttention& a, int64_t b, int64_t j, std::vector<float>& 
   for (int64_t t = 0; t < visible; ++t) {
     const int64_t cache_row = a.token_row(b, t);
     if (cache_row < 0) continue;
-    entry_values(a, cache_row, k);
+    entry_values(a, a.cache + cache_row * a.row_bytes, k);
     for (int64_t h = 0; h < H; ++h) {
       const float s = dot576(&q[h * kEntry], k) * a.softmax_scale;
       scores[t * H + h] = s;
@@ -68,7 +61,7 @@ void attend(const DecodeAttention& a, int64_t b, int64_t j, std::vector<float>& 
   for (int64_t t = 0; t < visible; ++t) {
     const int64_t cache_row = a.token_row(b, t);
     if (cache_row < 0) continue;
-    entry_values(a, cache_row, k);
+    entry_values(a, a.cache + cache_row * a.row_bytes, k);
     for (int64_t h = 0; h < H; ++h) {
       if (nan[h] || !std::isfinite(max_score[h])) continue;
       const float p = std::exp(scores[t * H + h] - max_score[h]);

@@ -15,12 +15,10 @@ ffi::Error handler(ffi::AnyBuffer cache, ffi::AnyBuffer tables, ffi::AnyBuffer l
   for (int64_t b = 0; b < g.batch && r < g.num_tokens; ++b) {
     const int64_t len = g.context_len(b);
     for (int64_t t = 0; t < len && r < g.num_tokens; ++t, ++r) {
-      const int64_t cache_row = g.token_row(b, t);
-      for (int group = 0; group < kEntry / 8; ++group) {
-        float v[8];
-        for (int i = 0; i < 8; ++i) v[i] = g.value(cache_row, group * 8 + i);
-        store_out8(g, r, group, v);
-      }
+      const int64_t cache_row = g.token_row(b, t);  // -1: masked, a zero row
+      float v[kEntry] = {};
+      if (cache_row >= 0) entry_values(g, g.cache + cache_row * g.row_bytes, v);
+      for (int group = 0; group < kEntry / 8; ++group) store_out8(g, r, group, v + 8 * group);
     }
   }
   const size_t row_bytes = kEntry * (g.out_type == OutType::kF32 ? 4 : 2);

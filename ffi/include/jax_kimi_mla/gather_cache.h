@@ -19,13 +19,6 @@ struct GatherCache : PagedCache {
 
   // Output row of token t of sequence b is start + t, start being the clamped lengths of the
   // sequences before b; rows at or past num_tokens are dropped.
-
-  // Element i of a token's output row from its cache row (-1: masked, zeros).
-  JKM_HD float value(int64_t cache_row, int i) const {
-    if (cache_row < 0) return 0.0f;
-    const float v = entry_value(*this, cache + cache_row * row_bytes, i);
-    return cache_scale_inv != nullptr ? v / *cache_scale_inv : v;
-  }
 };
 
 // Eight float32 values stored as output elements 8g..8g+7 of row r (bf16/f16: round to nearest

@@ -4,6 +4,8 @@
 // operands (host).
 #pragma once
 
+#include <array>
+#include <cstring>
 #include <string>
 
 #include "jax_kimi_mla/epilogue.h"
@@ -64,29 +66,47 @@ JKM_HD float e4m3_to_f32(uint8_t code) {
   return f32_from_bits(sign | ((exp + 120u) << 23) | (mant << 20));
 }
 
-// Element i (0..575) of the cache entry at `entry` as float32: the latent dequantized with its
-// tile scale (fp8_ds_mla), the stored code or 16-bit value otherwise. Plain fp8 values are the
-// codes: the caller divides by cache_scale_inv.
-JKM_HD float entry_value(const PagedCache& p, const uint8_t* entry, int i) {
+// The float32 values of the 256 E4M3 codes, computed once (host).
+inline const float* e4m3_values() {
+  static const std::array<float, 256> values = [] {
+    std::array<float, 256> v{};
+    for (int code = 0; code < 256; ++code) v[code] = e4m3_to_f32(uint8_t(code));
+    return v;
+  }();
+  return values.data();
+}
+
+// The 576 values of the cache entry at `entry` as float32 (host: the CPU handlers, one entry at a
+// time): the latent dequantized with its tile scale (fp8_ds_mla), plain fp8 codes divided by
+// cache_scale_inv, 16-bit values as they are.
+inline void entry_values(const PagedCache& p, const uint8_t* entry, float v[kEntry]) {
   switch (p.cache_format) {
     case CacheFormat::kFp8DsMla: {
-      if (i >= kLatent) {
-        uint16_t h;
-        memcpy(&h, entry + kDsMlaPeOffset + 2 * (i - kLatent), 2);
-        return bf16_to_f32(h);
-      }
-      float s;
-      memcpy(&s, entry + kDsMlaScaleOffset + 4 * (i / kDsMlaTile), 4);
-      return e4m3_to_f32(entry[i]) * s;
+      const float* code = e4m3_values();
+      float scale[kLatent / kDsMlaTile];
+      memcpy(scale, entry + kDsMlaScaleOffset, sizeof scale);
+      for (int i = 0; i < kLatent; ++i) v[i] = code[entry[i]] * scale[i / kDsMlaTile];
+      uint16_t pe[kRope];
+      memcpy(pe, entry + kDsMlaPeOffset, sizeof pe);
+      for (int i = 0; i < kRope; ++i) v[kLatent + i] = bf16_to_f32(pe[i]);
+      return;
     }
-    case CacheFormat::kFp8: return e4m3_to_f32(entry[i]);
+    case CacheFormat::kFp8: {
+      const float* code = e4m3_values();
+      const float inv = *p.cache_scale_inv;
+      for (int i = 0; i < kEntry; ++i) v[i] = code[entry[i]] / inv;
+      return;
+    }
     case CacheFormat::kBf16: {
-      uint16_t h;
-      memcpy(&h, entry + 2 * i, 2);
-      return p.cache16 == ActType::kBF16 ? bf16_to_f32(h) : f16_to_f32(h);
+      uint16_t h[kEntry];
+      memcpy(h, entry, sizeof h);
+      if (p.cache16 == ActType::kBF16)
+        for (int i = 0; i < kEntry; ++i) v[i] = bf16_to_f32(h[i]);
+      else
+        for (int i = 0; i < kEntry; ++i) v[i] = f16_to_f32(h[i]);
+      return;
     }
   }
-  return 0.0f;
 }
 
 // ---- FFI operands -> PagedCache (host) ----
