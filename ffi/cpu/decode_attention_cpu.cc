@@ -20,8 +20,6 @@ float q_value(const DecodeAttention& a, int64_t i) {
   return 0.0f;
 }
 
-// Query token j of sequence b, all heads at once, so that each entry is dequantized once per
-// pass rather than once per head.
 // q . k over 576 columns in 8 interleaved partial sums (a loop the compiler can vectorize).
 float dot576(const float* q, const float* k) {
   float part[8] = {};
@@ -30,6 +28,8 @@ float dot576(const float* q, const float* k) {
   return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
 }
 
+// Query token j of sequence b, all heads at once, so that each entry is dequantized once per
+// pass rather than once per head.
 void attend(const DecodeAttention& a, int64_t b, int64_t j, std::vector<float>& q,
             std::vector<float>& scores, std::vector<float>& out) {
   const int64_t H = a.heads, first_row = (b * a.q_tokens + j) * H;

@@ -964,10 +964,8 @@ __device__ __forceinline__ void write_rows(const DecodeAttention& a, const Work&
     const float4 lo = *reinterpret_cast<const float4*>(staging + row * kStagingStride + col);
     const float4 hi = *reinterpret_cast<const float4*>(staging + row * kStagingStride + col + 4);
     if (a.num_splits == 1) {
-      const bool bf16 = a.act == ActType::kBF16;
-      const uint4 v = bf16 ? make_uint4(bf16x2(lo.x, lo.y), bf16x2(lo.z, lo.w), bf16x2(hi.x, hi.y), bf16x2(hi.z, hi.w))
-                           : make_uint4(f16x2(lo.x, lo.y), f16x2(lo.z, lo.w), f16x2(hi.x, hi.y), f16x2(hi.z, hi.w));
-      *reinterpret_cast<uint4*>(static_cast<uint16_t*>(a.out) + (w.b * rows + r) * kLatent + col) = v;
+      const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      store16(static_cast<uint16_t*>(a.out) + (w.b * rows + r) * kLatent + col, narrow8(a.act == ActType::kBF16, v));
     } else {
       float4* part = reinterpret_cast<float4*>(a.partial(int(blockIdx.x), w.b, r) + col);
       part[0] = lo, part[1] = hi;

@@ -191,13 +191,13 @@ __device__ __forceinline__ void store_codes(uint8_t* dst, uint2 c, float tile_sc
     if (div.pow2) {
 #pragma unroll
       for (int i = 0; i < 8; ++i) x[i] = __fmul_rn(x[i], div.y);
-      return store_values<kOut, true>(dst, x);
-    }
+    } else {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float q0 = __fmul_rn(x[i], div.y);
-      const float q = __fmaf_rn(__fmaf_rn(-q0, div.d, x[i]), div.y, q0);
-      x[i] = __uint_as_float(__float_as_uint(q) | (__float_as_uint(q0) & 0x80000000u));
+      for (int i = 0; i < 8; ++i) {
+        const float q0 = __fmul_rn(x[i], div.y);
+        const float q = __fmaf_rn(__fmaf_rn(-q0, div.d, x[i]), div.y, q0);
+        x[i] = __uint_as_float(__float_as_uint(q) | (__float_as_uint(q0) & 0x80000000u));
+      }
     }
   } else {
     // code * tile_scale = x * (tile_scale / kCodeUnit): the same exact product, one rounding, when
