@@ -11,7 +11,8 @@ output gate, a bf16 cache of 64-token blocks, jitted with the cache donated):
   all heads at once; a step that runs its heads in groups (``layer.prefill_head_groups``, the
   ``head groups`` column) does the same work in pieces, and the ratio includes what that costs.
 - **peak memory**: ``memory_stats()["peak_bytes_in_use"]`` of a fresh process that builds the
-  case and runs one step (a subprocess per case: the peak never goes down within a process),
+  case and runs one step (a subprocess per case: the peak never goes down within a process; with
+  jax's default preallocated pool, where the peak is what XLA plans),
   against the weights + the step's inputs and outputs + a cache holding exactly the run's tokens
   plus one block per sequence. Target: <= 1.5x. Beside it, the layer's own estimate of its
   temporaries (``layer.prefill_temp_bytes``) as an estimated peak over the same budget.
@@ -25,7 +26,7 @@ one sequence at H = 12.
     python -P benchmarks/bench_prefill.py              # all cases (about 3 minutes on an H200)
     python -P benchmarks/bench_prefill.py --quick      # tiny sizes: a smoke run, fine on CPU
     python -P benchmarks/bench_prefill.py --only packed --impl blockwise
-    python -P benchmarks/bench_prefill.py --head-groups auto   # heads in groups (less memory, more time)
+    python -P benchmarks/bench_prefill.py --head-groups 1      # all heads at once, whatever the memory
 
 Writes results.csv and RESULTS.md (the targets judged PASS/MISS) under --out (default
 benchmarks/results/<platform>-prefill[-quick]).
@@ -39,6 +40,7 @@ import datetime
 import functools
 import json
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -100,7 +102,7 @@ QUICK = Sizes(hidden=256, cases=(Case(2, 1, 64), Case(2, 4, 16), Case(2, 4, 16, 
 
 
 # MLAConfig.head_groups of every case (--head-groups: a number, or "auto" for the size rule).
-HEAD_GROUPS: int | None = 1
+HEAD_GROUPS: int | None = None
 
 
 def config_of(case: Case, sizes: Sizes, impl: str) -> layer.MLAConfig:
@@ -254,7 +256,12 @@ def peak_of(case: Case, sizes: Sizes, impl: str, quick: bool) -> dict | None:
         return None
     command = [sys.executable, "-P", __file__, "--memory-of", case.name, "--impl", impl,
                "--head-groups", "auto" if HEAD_GROUPS is None else str(HEAD_GROUPS), *(["--quick"] if quick else [])]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    # The allocator as a server runs it: one preallocated pool (jax's default). Under
+    # XLA_PYTHON_CLIENT_PREALLOCATE=false the pool grows region by region, and a request then
+    # takes a whole free chunk when what would be left is under 128 MB and under the request's
+    # size: peak_bytes_in_use counts that slack (73 MB more at H = 12, T = 8192; docs/PREFILL.md).
+    env = os.environ | {"XLA_PYTHON_CLIENT_PREALLOCATE": "true", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
+    result = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     lines = [ln for ln in result.stdout.splitlines() if ln.startswith("{")]
     if result.returncode or not lines:
         raise RuntimeError(f"memory subprocess failed: {(result.stderr or result.stdout).strip().splitlines()[-1:]}")
@@ -390,8 +397,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, help="output directory (default: benchmarks/results/<platform>-prefill[-quick])")
     parser.add_argument("--only", help="comma-separated substrings of case names, e.g. packed,32768")
     parser.add_argument("--impl", choices=prefill_attention.IMPLS, default="auto", help="the layer's attention_impl")
-    parser.add_argument("--head-groups", default="1",
-                        help="the layer's head_groups: a number (a divisor of every case's heads), or auto (the size rule)")
+    parser.add_argument("--head-groups", default="auto",
+                        help="the layer's head_groups: auto (the size rule, the layer's default) or a number (a divisor of every case's heads)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     parser.add_argument("--memory-of", help=argparse.SUPPRESS)  # internal: the subprocess of one case
     opts = parser.parse_args(argv)

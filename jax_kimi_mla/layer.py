@@ -5,9 +5,9 @@ v [T, H, 128], causal attention over the new tokens plus, for a later chunk of a
 sequence's cached tokens (read back with ``gather_mla_cache`` and up-projected through
 kv_b_proj). The attention runs on cuDNN's flash attention where the GPU has it, else blockwise
 (online softmax over tiles of ``config.attention_block`` queries and keys); either way memory grows
-with T, not T^2 (``config.attention_impl``, :mod:`jax_kimi_mla.prefill_attention`). On request the heads run
-in groups, one after another (``config.head_groups``; None: :func:`prefill_head_groups`'s size rule), so that q, k and v
-of all heads never exist at once, for less memory and more time; the GEMMs write the activation dtype (float32 accumulation inside), never a float32
+with T, not T^2 (``config.attention_impl``, :mod:`jax_kimi_mla.prefill_attention`). Where memory needs
+it the heads run in groups, one after another (``config.head_groups``; by default
+:func:`prefill_head_groups`'s size rule), so that q, k and v of all heads never exist at once; the GEMMs write the activation dtype (float32 accumulation inside), never a float32
 product (docs/PREFILL.md, "Memory"). Decode runs the absorbed form: W_UK
 folded into the query (ql_nope [B, H, 512]), ``mla_decode_attention`` of mqa_q [B, (S_q,) H, 576]
 over the paged latent cache, W_UV after. Optional: an output gate (Kimi-K3), q projected without
@@ -84,11 +84,10 @@ class MLAConfig:
     # (jnp online softmax, any backend) or "auto" (cudnn where it runs, else blockwise).
     attention_impl: str = "auto"
     # Prefill runs its heads in this many groups (a divisor of num_heads), one after another, so
-    # that q, k, v of all heads never exist at once; None: the fewest groups that keep the step's
-    # estimated temporaries within bounds (:func:`prefill_head_groups`). 1 by default: on the
-    # H200 the rule's groups cut the peak to 1.48-1.61x its budget but cost 12-42% of step time
-    # (docs/PREFILL.md, "Memory"), a trade a server makes only when memory is what it lacks.
-    head_groups: int | None = 1
+    # that q, k, v of all heads never exist at once; None (the default): all at once where the
+    # step's estimated temporaries allow, else the fewest groups that keep them within bounds
+    # (:func:`prefill_head_groups`; docs/PREFILL.md, "Memory").
+    head_groups: int | None = None
 
     @property
     def attention_scale(self) -> float:
@@ -179,6 +178,29 @@ def _proj(spec, x, w):
     )
 
 
+def _proj_add(spec, x, w, acc):
+    """acc + x @ w in acc's dtype: the product accumulated in float32 onto acc and rounded once.
+
+    On a GPU, XLA hands the addition to the GEMM (cuBLAS's C operand, beta = 1, written in
+    place): no product tensor beside acc. On the CPU, as in :func:`_proj`, a float32 product."""
+    return jax.lax.platform_dependent(
+        x, w, acc,
+        cpu=lambda x, w, acc: (jnp.einsum(spec, x, w, preferred_element_type=F32) + acc.astype(F32)).astype(acc.dtype),
+        default=lambda x, w, acc: jnp.einsum(spec, x, w, preferred_element_type=acc.dtype) + acc,
+    )
+
+
+def _two_products(latent, kv_b):
+    """k_nope [T, g, 128] and v [T, g, 128] = latent @ kv_b's two halves, by two GEMMs.
+
+    The attention needs v contiguous, which a slice of one [T, g, 256] product is not: XLA would
+    copy both halves out of it. So would XLA's dot merger, which joins two GEMMs of one operand
+    (up to some size) into one and slices the product: the barrier hands v's GEMM the latent as a
+    value of its own."""
+    return (_proj("tl,lhp->thp", latent, kv_b[..., :P]),
+            _proj("tl,lhv->thv", jax.lax.optimization_barrier(latent), kv_b[..., P:]))
+
+
 def _gate_logits(x, g_proj):
     """x @ g_proj [T, H, 128] in float32: the gate's sigmoid sees unrounded logits."""
     return jnp.einsum("td,dhv->thv", x, g_proj, preferred_element_type=F32)
@@ -264,13 +286,18 @@ def _blockwise_attention(q, k, v, q_seq, q_pos, k_seq, k_pos, k_valid, scale, bl
     return out.reshape(-1, H, Dv)[:T]
 
 
-# Prefill's head groups when MLAConfig.head_groups is None: the fewest groups (of at least
-# MIN_GROUP_HEADS heads: fewer leave the GPU idle in the attention) whose estimated temporaries
-# stay within PREFILL_TEMP_FRACTION of what the step holds anyway, its weights, x and its output
-# (the cache is left out, so that a large cache does not switch grouping off). Issue 11's target
-# is a peak <= 1.5x (weights + inputs and outputs + cache): 0.4 leaves room for what the estimate
-# leaves out (workspaces, how XLA packs its buffers). docs/PREFILL.md has the numbers.
-PREFILL_TEMP_FRACTION = 0.4
+# Prefill's head groups when MLAConfig.head_groups is None: all heads at once if the estimated
+# temporaries stay within UNGROUPED_TEMP_FRACTION of what the step holds anyway (its weights, x
+# and its output; the cache is left out, so that a large cache does not switch grouping off),
+# else the fewest groups (of at least MIN_GROUP_HEADS heads: fewer leave the GPU idle in the
+# attention) within PREFILL_TEMP_FRACTION. Issue 11's target is a peak <= 1.5x (weights + inputs
+# and outputs + cache). The grouped estimate is close (H200, H = 96, T = 8192: 4 groups 1.56x
+# estimated, 1.48x measured); the ungrouped one runs high where the heads are few, as XLA lays
+# the temporaries out in the output's buffer until o_proj writes it (H = 12, T = 8192: 1.44x and,
+# after a cached context, 1.71x estimated; 1.32x and 1.43x measured). docs/PREFILL.md has the
+# numbers.
+UNGROUPED_TEMP_FRACTION = 0.8
+PREFILL_TEMP_FRACTION = 0.5
 MIN_GROUP_HEADS = 4
 
 
@@ -282,8 +309,8 @@ def prefill_temp_bytes(config: MLAConfig, tokens: int, groups: int, *, packed: b
     each, or 192 in the packed layout, where v travels padded) - the epilogue holds as much (q,
     k_nope, v, k); after a cached context of c tokens per token, q, the chunk's output, the
     context's k, v (and k_nope or unpadded v while they are made) and its output. Shared: the
-    KV latent (and kv_a) when ungrouped; with groups, the gated output of all heads [T, H, 128],
-    q's latent, the KV latent, k_pe, and each group's weight slices. A model for choosing the
+    KV latent (and kv_a) when ungrouped; with groups, q's latent, the KV latent, k_pe, and each
+    group's weight slices (the groups add their o_proj products into the step's output). A model for choosing the
     groups, meant to err high (docs/PREFILL.md, "Memory", has its numbers), not a bound.
     """
     T, H, d = tokens, config.num_heads, config.hidden_size
@@ -303,26 +330,27 @@ def prefill_temp_bytes(config: MLAConfig, tokens: int, groups: int, *, packed: b
         slices = 0
     else:
         q_in = d if config.q_lora_rank is None else config.q_lora_rank
-        shared = (H * V + (0 if config.q_lora_rank is None else q_in) + L + R) * item
-        slices = g * (q_in * (P + R) + L * (P + V) + (d * V if config.output_gate else 0)) * item
+        shared = ((0 if config.q_lora_rank is None else q_in) + L + R) * item
+        slices = g * (q_in * (P + R) + L * (P + V) + V * d + (d * V if config.output_gate else 0)) * item
     shared += c * ENTRY * item
     return int(T * (shared + g * per_head) + slices)
 
 
 def prefill_head_groups(config: MLAConfig, tokens: int, *, packed: bool = False, context_tokens: int = 0) -> int:
     """How many head groups :func:`prefill` runs for a chunk of ``tokens`` tokens: ``config.head_groups``
-    if set, else the fewest (of at least ``MIN_GROUP_HEADS`` heads each, or one group) whose
-    :func:`prefill_temp_bytes` stay within ``PREFILL_TEMP_FRACTION`` of the weights plus x and the
-    output; if none does, the most groups allowed. ``packed``: several sequences in the call;
+    if set; else one group if :func:`prefill_temp_bytes` stay within ``UNGROUPED_TEMP_FRACTION`` of
+    the weights plus x and the output, or the fewest groups (of at least ``MIN_GROUP_HEADS`` heads
+    each) within ``PREFILL_TEMP_FRACTION``; if none does, the most groups allowed. ``packed``: several sequences in the call;
     ``context_tokens``: rows of the gathered context."""
     if config.head_groups is not None:
         return int(config.head_groups)
     H, item = config.num_heads, jnp.dtype(config.dtype).itemsize
     weights = sum(math.prod(shape) for shape, _ in _weight_shapes(config).values()) * item
-    limit = PREFILL_TEMP_FRACTION * (weights + 2 * tokens * config.hidden_size * item)
+    held = weights + 2 * tokens * config.hidden_size * item
     options = [n for n in range(1, H + 1) if H % n == 0 and (n == 1 or H // n >= MIN_GROUP_HEADS)]
     for n in options:
-        if prefill_temp_bytes(config, tokens, n, packed=packed, context_tokens=context_tokens) <= limit:
+        fraction = UNGROUPED_TEMP_FRACTION if n == 1 else PREFILL_TEMP_FRACTION
+        if prefill_temp_bytes(config, tokens, n, packed=packed, context_tokens=context_tokens) <= fraction * held:
             return n
     return options[-1]
 
@@ -420,9 +448,7 @@ def prefill(
             # Attention runs on the values the fp8 q, k, v stand for.
             q, k, v = (q.astype(F32) / s["q"]).astype(act), (k.astype(F32) / s["k"]).astype(act), (v.astype(F32) / s["v"]).astype(act)
             return q, k, v, cache
-        # k_nope and v by two GEMMs: the attention needs v contiguous, which a slice of one
-        # [T, g, 256] product is not (XLA would copy it); slicing the weight copies far less.
-        k_nope, v = _proj("tl,lhp->thp", kv_c_normed, w[..., :P]), _proj("tl,lhv->thv", kv_c_normed, w[..., P:])
+        k_nope, v = _two_products(kv_c_normed, w)
         insert = ops.fused_mla_key_concat_ds_mla_insert if fmt == "fp8_ds_mla" else ops.fused_mla_key_concat_kv_cache_insert
         k, q, cache = insert(q, k_nope, k_pe, kv_c_normed, cache, slots, **rope_kw)
         return q, k, v, cache
@@ -430,8 +456,7 @@ def prefill(
     def context_kv(i, latent, k_pe):
         """k [C, g, 192] = [k_nope from the latent | its k_pe] and v [C, g, 128] of the cached
         tokens, for group i. (Two GEMMs, as above: v comes out contiguous.)"""
-        w = heads(params["kv_b_proj"], i)
-        k_nope, v = _proj("sl,lhp->shp", latent, w[..., :P]), _proj("sl,lhv->shv", latent, w[..., P:])
+        k_nope, v = _two_products(latent, heads(params["kv_b_proj"], i))
         return jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, None], (k_pe.shape[0], g, R))], -1), v
 
     def attend(i, q, k, v, ctx):
@@ -470,22 +495,29 @@ def prefill(
         )
         ctx = ctx[:, :L], ctx[:, L:]  # split once: each group reads the latent and k_pe
     o = attend(0, q, k, v, ctx)
-    if groups > 1:
-        # The other groups one after another in a loop: each group's q, k, v live in its own
-        # iteration only, its gated output goes into o [T, H, 128]. The latents pass a barrier
-        # with o, so a group starts after the one before has finished even where XLA inlines
-        # the loop (a single iteration) or unrolls it. The cache is written already: they hand
-        # the epilogue a one-row stand-in and no valid slot.
-        spare = jnp.zeros((1, 1, cache.shape[-1]), cache.dtype)
-        no_slots = jnp.full_like(slots, -1)
+    if groups == 1:
+        return _proj("thv,hvd->td", o, params["o_proj"]), cache.reshape(kv_cache.shape)
+    # The other groups one after another in a loop: each group's q, k, v and attention output
+    # live in its own iteration only. Each group adds its heads' share of o_proj into the output
+    # (the GEMM's accumulator, float32, rounded once per group), so that no [T, H, 128] output of
+    # all heads is held for one o_proj at the end. The latents pass a barrier with the output, so
+    # a group starts after the one before has finished even where XLA inlines the loop (a single
+    # iteration) or unrolls it; the addition takes the output straight from the loop, not from
+    # the barrier, or XLA would not fold it into the GEMM. The cache is written already: the
+    # groups hand the epilogue a one-row stand-in and no valid slot.
+    spare = jnp.zeros((1, 1, cache.shape[-1]), cache.dtype)
+    no_slots = jnp.full_like(slots, -1)
 
-        def group(i, o):
-            o, group_latents = jax.lax.optimization_barrier((o, latents))
-            q, k, v, _ = qkv(i, spare, no_slots, *group_latents)
-            return jax.lax.dynamic_update_slice_in_dim(o, attend(i, q, k, v, ctx), i * g, axis=1)
+    def o_proj(i):
+        return jax.lax.dynamic_slice_in_dim(params["o_proj"], i * g, g, axis=0)
 
-        o = jax.lax.fori_loop(1, groups, group, jax.lax.dynamic_update_slice_in_dim(jnp.zeros((T, H, V), act), o, 0, axis=1))
-    return _proj("thv,hvd->td", o, params["o_proj"]), cache.reshape(kv_cache.shape)
+    def group(i, out):
+        _, group_latents = jax.lax.optimization_barrier((out, latents))
+        q, k, v, _ = qkv(i, spare, no_slots, *group_latents)
+        return _proj_add("thv,hvd->td", attend(i, q, k, v, ctx), o_proj(i), out)
+
+    out = jax.lax.fori_loop(1, groups, group, _proj("thv,hvd->td", o, o_proj(0)))
+    return out, cache.reshape(kv_cache.shape)
 
 
 def _attention_blockwise(q, k, v, cu, lens, ctx_k, ctx_v, config):

@@ -2,7 +2,6 @@
 times are wall clock and its judgements mean nothing) and writes its CSV and RESULTS.md."""
 
 import csv
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -22,23 +21,26 @@ def test_bench_prefill_quick_smoke_run(tmp_path):
     assert "step <= 1.25x the sum of its parts" in results and "peak memory" in results
 
 
-def test_the_layer_expects_every_full_size_case_under_the_memory_target():
-    """The layer's estimate of its temporaries (layer.prefill_temp_bytes, with the head groups
-    layer.prefill_head_groups picks for head_groups=None) over the bench's budget, for every
-    full-size case of issue 11: under the 1.5x target, by the margin the rule keeps for what it
-    leaves out. (The H200 measured 1.48-1.61x with these groups: the model runs 0.1-0.2 low.) With all heads at
-    once, the H = 96 cases would be far over it (2.5-3.4x): there the heads run in groups."""
+def test_the_layer_groups_the_heads_where_memory_needs_it():
+    """The size rule (layer.prefill_head_groups, the layer's default) on every full-size case of
+    issue 11. H = 96: all heads at once would be far over the 1.5x target (estimated 2.5-3.4x,
+    2.42x measured on the H200), so the heads run in groups whose estimate (close for groups: 1.56x
+    estimated, 1.48x measured at 4 groups) is under the target with a margin. H = 12 (Kimi-K3 at
+    TP8): all heads at once, which the H200 measured at 1.32-1.43x (docs/PREFILL.md)."""
     from _util import load_script
 
     from jax_kimi_mla import layer
 
     bench = load_script(BENCH, "bench_prefill")
     for case in bench.FULL.cases:
-        config = dataclasses.replace(bench.config_of(case, bench.FULL, "auto"), head_groups=None)
+        config = bench.config_of(case, bench.FULL, "auto")
+        assert config.head_groups is None  # the bench runs the layer's default
         shape = dict(packed=case.seqs > 1, context_tokens=case.seqs * case.context)
         budget = bench.budget_bytes(case, bench.FULL, "auto")
         groups = layer.prefill_head_groups(config, case.tokens, **shape)
+        if case.heads == 12:
+            assert groups == 1, case.name
+            continue
         estimated = 1 + layer.prefill_temp_bytes(config, case.tokens, groups, **shape) / budget
-        assert estimated <= bench.MAX_PEAK_OVER_BUDGET - 0.03, (case.name, groups, estimated)
-        if case.heads == 96:
-            assert groups > 1 and 1 + layer.prefill_temp_bytes(config, case.tokens, 1, **shape) / budget > 2, case.name
+        assert groups > 1 and estimated <= bench.MAX_PEAK_OVER_BUDGET - 0.05, (case.name, groups, estimated)
+        assert 1 + layer.prefill_temp_bytes(config, case.tokens, 1, **shape) / budget > 2, case.name

@@ -560,14 +560,16 @@ def test_no_hidden_copies_feed_the_epilogues(fmt):
 
 @pytest.mark.parametrize("fmt, rope, groups, seed", [("bf16", True, 2, 91), ("fp8", False, 4, 92), ("fp8_ds_mla", True, 2, 93)])
 def test_head_groups_change_nothing(fmt, rope, groups, seed):
-    """Prefill with its heads in groups (group 0 writes the cache, the others run in a loop):
-    against the reference (chunks after a context, packed calls, then decode over what it
-    cached), and against the same run with all heads at once: on the CPU bit for bit (each
-    head's numbers are the same ones)."""
+    """Prefill with its heads in groups (group 0 writes the cache, the others run in a loop and
+    add their o_proj products into the output): against the reference (chunks after a context,
+    packed calls, then decode over what it cached), and against the same run with all heads at
+    once, within a quarter of the reference's tolerance (each head's attention output is the
+    same; only o_proj's sum over the heads is rounded once per group instead of once)."""
     run = Run(fmt, rope, seed, head_groups=groups, output_gate=True, attention_block=8)
     whole = Run(fmt, rope, seed, output_gate=True, attention_block=8)
     assert ml.prefill_head_groups(run.config, CHUNK_PAD) == groups and ml.prefill_head_groups(whole.config, CHUNK_PAD) == 1
-    same = dict(rtol=0, atol=0 if jax.default_backend() == "cpu" else TOLERANCE[fmt] / 4)
+    # A bf16 rounding step (2^-8 relative, one ulp) per group's addition into the output.
+    same = dict(rtol=groups * 2.0**-8, atol=TOLERANCE[fmt] / 4)
     for seq, chunks in CHUNKS.items():
         start = 0
         for n in chunks:
@@ -613,21 +615,24 @@ def gpu_program(config, tokens):
     return text, dots
 
 
-@pytest.mark.parametrize("heads, groups", [(12, 3), (96, 24)])
+@pytest.mark.parametrize("heads, groups", [(12, 1), (96, 6)])
 def test_the_gpu_program_holds_no_float32_products_nor_all_heads_at_once(heads, groups):
     """The prefill step as the GPU gets it, at issue 11's sizes (hidden 7168, q_lora 1536, the
     output gate, T = 8192): every GEMM on bf16 writes bf16 (accumulating in float32 inside),
     except the gate's logits, float32 for one head group only; no float32 [T, hidden] o_proj
-    product, which made a third of the peak. And with the size rule (head_groups=None) the heads
-    run in groups, in a while loop: q and k exist for one group's heads at a time, never for all
-    of them."""
+    product, which made a third of the peak. With the size rule (head_groups=None, the default)
+    Kimi-K3's 12 heads at TP8 run at once, DeepSeek's 96 in groups, in a while loop: q and k
+    exist for one group's heads at a time, never for all of them, and no [T, H, 128] output of
+    all heads is held (each group adds its o_proj product into the output)."""
     T = 8192
-    config = ml.MLAConfig(hidden_size=7168, num_heads=heads, q_lora_rank=1536, output_gate=True, head_groups=None)
+    config = ml.MLAConfig(hidden_size=7168, num_heads=heads, q_lora_rank=1536, output_gate=True)
     assert ml.prefill_head_groups(config, T) == groups
     g = heads // groups
     text, dots = gpu_program(config, T)
     on_bf16 = [(out, size) for operands, out, size in dots if operands == {"bf16"}]
     assert len(on_bf16) >= 7 and sum(out == "bf16" for out, _ in on_bf16) >= 6, on_bf16
     assert all(out == "bf16" or (out == "f32" and size == T * g * ml.V) for out, size in on_bf16), on_bf16
-    assert f"tensor<{T}x{g}x192xbf16>" in text and f"tensor<{T}x{heads}x192x" not in text
-    assert "stablehlo.while" in text
+    assert f"tensor<{T}x{g}x192xbf16>" in text
+    if groups > 1:
+        assert f"tensor<{T}x{heads}x192x" not in text and f"tensor<{T}x{heads}x128x" not in text
+        assert "stablehlo.while" in text
