@@ -289,16 +289,18 @@ def _blockwise_attention(q, k, v, q_seq, q_pos, k_seq, k_pos, k_valid, scale, bl
 # Prefill's head groups when MLAConfig.head_groups is None: all heads at once if the estimated
 # temporaries stay within UNGROUPED_TEMP_FRACTION of what the step holds anyway (its weights, x
 # and its output; the cache is left out, so that a large cache does not switch grouping off),
-# else the fewest groups (of at least MIN_GROUP_HEADS heads: fewer leave the GPU idle in the
-# attention) within PREFILL_TEMP_FRACTION. Issue 11's target is a peak <= 1.5x (weights + inputs
-# and outputs + cache). The grouped estimate is close (H200, H = 96, T = 8192: 4 groups 1.56x
-# estimated, 1.48x measured); the ungrouped one runs high where the heads are few, as XLA lays
-# the temporaries out in the output's buffer until o_proj writes it (H = 12, T = 8192: 1.44x and,
-# after a cached context, 1.71x estimated; 1.32x and 1.43x measured). docs/PREFILL.md has the
-# numbers.
+# else the fewest groups of at least MIN_GROUP_HEADS heads within PREFILL_TEMP_FRACTION, or the
+# most such groups. Issue 11's target is a peak <= 1.5x (weights + inputs and outputs + cache).
+# The grouped estimate is close (H200, H = 96, T = 8192: 4 groups 1.56x estimated, 1.475x
+# measured); the ungrouped one runs high where the heads are few, as XLA lays the temporaries out
+# in the output's buffer until o_proj writes it (H = 12, T = 8192: 1.44x and, after a cached
+# context, 1.71x estimated; 1.33x and 1.43x measured). Groups of 16 heads at least: cuDNN's
+# causal grid on fewer heads has a long tail (12 heads: 539 TFLOP/s against 623 on 96), and
+# the step after a cached context took 1.255x its parts in 8 groups of 12, 1.22x in 6 of 16
+# (peak 1.44x). docs/PREFILL.md has the numbers.
 UNGROUPED_TEMP_FRACTION = 0.8
 PREFILL_TEMP_FRACTION = 0.5
-MIN_GROUP_HEADS = 4
+MIN_GROUP_HEADS = 16
 
 
 def prefill_temp_bytes(config: MLAConfig, tokens: int, groups: int, *, packed: bool = False, context_tokens: int = 0) -> int:
@@ -340,7 +342,8 @@ def prefill_head_groups(config: MLAConfig, tokens: int, *, packed: bool = False,
     """How many head groups :func:`prefill` runs for a chunk of ``tokens`` tokens: ``config.head_groups``
     if set; else one group if :func:`prefill_temp_bytes` stay within ``UNGROUPED_TEMP_FRACTION`` of
     the weights plus x and the output, or the fewest groups (of at least ``MIN_GROUP_HEADS`` heads
-    each) within ``PREFILL_TEMP_FRACTION``; if none does, the most groups allowed. ``packed``: several sequences in the call;
+    each) within ``PREFILL_TEMP_FRACTION``; if none does, the most groups allowed (one, below
+    ``2 * MIN_GROUP_HEADS`` heads). ``packed``: several sequences in the call;
     ``context_tokens``: rows of the gathered context."""
     if config.head_groups is not None:
         return int(config.head_groups)
