@@ -28,45 +28,13 @@
 #include <random>
 #include <vector>
 
+#include "wgmma.cuh"
+
+using namespace probe_util;
+
 namespace {
 
 constexpr int kEntry = 576, kLatent = 512, kTokens = 64, kRows = 16;
-
-// Byte offset of 16-byte piece `piece` of row `row` in a tile of `rows`-row chunks of 128-byte
-// rows, 128-byte swizzled (the layout of the kernel's TMA boxes: chunk = piece / 8).
-__host__ __device__ int swizzled(int row, int piece, int rows) {
-  return (piece >> 3) * rows * 128 + row * 128 + (((piece & 7) ^ (row & 7)) << 4);
-}
-
-// A shared-memory matrix descriptor: start, leading and stride byte offsets, 128-byte swizzle.
-__device__ uint64_t descriptor(const void* smem, uint32_t lbo, uint32_t sbo) {
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t((lbo & 0x3FFFF) >> 4) << 16) |
-         (uint64_t((sbo & 0x3FFFF) >> 4) << 32) | (uint64_t(1) << 62);
-}
-
-template <int kTransA>
-__device__ void wgmma_bf16(float (&d)[8], uint64_t a, uint64_t b, int accumulate) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %10, 0;\n"
-      " wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, "
-      "%11, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "l"(a), "l"(b), "r"(accumulate), "n"(kTransA));
-}
-
-__device__ void wgmma_e4m3(float (&d)[8], uint64_t a, uint64_t b, int accumulate) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %10, 0;\n"
-      " wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "l"(a), "l"(b), "r"(accumulate));
-}
-
-__device__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ void wgmma_commit_and_wait() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-}
 
 // The assumed accumulator layout of m64nNk*: thread t (warp w = t / 32, g = lane / 4, c = lane % 4)
 // holds d[4j + 2h + e] = D[16w + g + 8h][8j + 2c + e].
@@ -109,7 +77,7 @@ __global__ void __launch_bounds__(128) probe(const uint8_t* k_tile_g, const uint
   wgmma_fence();
   for (int s = 0; s < kEntry / 16; ++s) {
     const int chunk = s / 4, at = 32 * (s % 4);
-    wgmma_bf16<0>(d, descriptor(k_tile + chunk * kTokens * 128 + at, 16, 1024),
+    wgmma_16bit<false, 0>(d, descriptor(k_tile + chunk * kTokens * 128 + at, 16, 1024),
                   descriptor(q_tile + chunk * kRows * 128 + at, 16, 1024), s > 0);
   }
   wgmma_commit_and_wait();
@@ -124,7 +92,7 @@ __global__ void __launch_bounds__(128) probe(const uint8_t* k_tile_g, const uint
     float o[8] = {};
     wgmma_fence();
     for (int s = 0; s < kTokens / 16; ++s)
-      wgmma_bf16<1>(o, descriptor(k_tile + mb * kTokens * 128 + s * 16 * 128, 16, 1024),
+      wgmma_16bit<false, 1>(o, descriptor(k_tile + mb * kTokens * 128 + s * 16 * 128, 16, 1024),
                     descriptor(p_tile + 32 * s, 16, 1024), s > 0);
     wgmma_commit_and_wait();
     store_accumulator(o, o_t, 64 * mb, kRows);
@@ -144,15 +112,6 @@ __global__ void __launch_bounds__(128) probe(const uint8_t* k_tile_g, const uint
   store_accumulator(e, s8_t, 0, kRows);
   for (int i = 0; i < 8; ++i) raw->fp8[threadIdx.x][i] = e[i];
 }
-
-float bf16_value(uint16_t h) {
-  const uint32_t w = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &w, 4);
-  return f;
-}
-
-uint16_t to_bf16(float f) { return __bfloat16_as_ushort(__float2bfloat16(f)); }
 
 // Compares got [m][16] with want; on a failure, locates a few of thread 0-3's registers.
 bool check(const char* what, const std::vector<float>& got, const std::vector<double>& want, int m,

@@ -23,14 +23,16 @@
 //
 //   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -o /tmp/wgmma_tile_loop \
 //       benchmarks/probes/wgmma_tile_loop.cu && /tmp/wgmma_tile_loop
-#include <cuda_bf16.h>
-
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <random>
 #include <vector>
+
+#include "wgmma.cuh"
+
+using namespace probe_util;
 
 namespace {
 
@@ -45,59 +47,6 @@ constexpr int kThreads = kConsumers + 32;                 // + the producer warp
 constexpr int kSmemBytes = kStages * kTileBytes + kQBytes + kPBytes + 2 * 4 * kRows * 4 + 4 * 8;
 constexpr float kLog2e = 1.4426950408889634f;
 
-// Byte offset of 16-byte piece `piece` of row `row` in a tile of `rows`-row chunks of 128-byte
-// rows, 128-byte swizzled (chunk = piece / 8).
-__host__ __device__ int swizzled(int row, int piece, int rows) {
-  return (piece >> 3) * rows * 128 + row * 128 + (((piece & 7) ^ (row & 7)) << 4);
-}
-
-__device__ uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-
-// A shared-memory matrix descriptor: start, leading and stride byte offsets, 128-byte swizzle.
-__device__ uint64_t descriptor(const void* smem, uint32_t lbo, uint32_t sbo) {
-  const uint32_t addr = smem_addr(smem);
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t((lbo & 0x3FFFF) >> 4) << 16) |
-         (uint64_t((sbo & 0x3FFFF) >> 4) << 32) | (uint64_t(1) << 62);
-}
-
-template <int kTransA>
-__device__ __forceinline__ void wgmma_bf16(float (&d)[8], uint64_t a, uint64_t b, int accumulate) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %10, 0;\n"
-      " wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, "
-      "%11, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "l"(a), "l"(b), "r"(accumulate), "n"(kTransA));
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit_and_wait() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void mbarrier_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 1;
-  do {
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                 " selp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done)
-                 : "r"(smem_addr(bar)), "r"(parity)
-                 : "memory");
-  } while (!done);
-}
-// One bulk copy of a whole tile onto stage `dst`, completing on `full`.
-__device__ __forceinline__ void copy_tile(void* dst, const void* src, uint64_t* full) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(full)), "r"(kTileBytes)
-               : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               ::"r"(smem_addr(dst)), "l"(src), "r"(kTileBytes), "r"(smem_addr(full))
-               : "memory");
-}
 // The consumer warpgroup's own barrier (the producer warp never waits on it).
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumers) : "memory"); }
 
@@ -118,18 +67,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* row_max = reinterpret_cast<float*>(p_tile + kPBytes);  // [2 parities][4 warps][16 rows]
   uint64_t* full = reinterpret_cast<uint64_t*>(row_max + 2 * 4 * kRows);
   uint64_t* empty = full + kStages;
-  // The warp index through a shuffle: ptxas then knows it is warp-uniform, and does not serialize
-  // the wgmmas behind the producer/consumer branch.
-  const int tid = threadIdx.x, warp = __shfl_sync(0xFFFFFFFFu, tid / 32, 0), lane = tid % 32;
+  const int tid = threadIdx.x, warp = warp_index(), lane = tid % 32;
   const uint8_t* mine = tiles + blockIdx.x * cta_stride * kTileBytes;
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) mbarrier_init(full + s, 1), mbarrier_init(empty + s, kConsumers);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    mbarrier_init_fence();
   }
   for (int i = tid * 16; i < kQBytes; i += kThreads * 16)
     *reinterpret_cast<uint4*>(q_tile + i) = *reinterpret_cast<const uint4*>(q + i);
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // q is read by wgmma (async proxy)
+  fence_proxy_async();  // q is read by wgmma
   __syncthreads();
 
   if (warp == kConsumers / 32) {  // the producer
@@ -137,7 +84,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int i = 0; i < num_tiles; ++i) {
         const int s = i % kStages;
         if (i >= kStages) mbarrier_wait(empty + s, (i / kStages - 1) & 1);
-        copy_tile(stage + s * kTileBytes, mine + int64_t(i % distinct) * kTileBytes, full + s);
+        bulk_copy(stage + s * kTileBytes, mine + int64_t(i % distinct) * kTileBytes, kTileBytes, full + s);
       }
     return;
   }
@@ -159,7 +106,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int step = 0; step < kEntry / 16; ++step) {
       const int chunk = step / 4, at = 32 * (step % 4);
-      wgmma_bf16<0>(d, descriptor(tile + chunk * kTokens * 128 + at, 16, 1024),
+      wgmma_16bit<false, 0>(d, descriptor(tile + chunk * kTokens * 128 + at, 16, 1024),
                     descriptor(q_tile + chunk * kRows * 128 + at, 16, 1024), step > 0);
     }
     wgmma_commit_and_wait();
@@ -205,7 +152,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       l_part[k] = l_part[k] * alpha[k] + sum;
     }
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    fence_proxy_async();
     consumer_sync();
 
 #pragma unroll
@@ -217,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int mb = 0; mb < 8; ++mb)
 #pragma unroll
       for (int step = 0; step < kTokens / 16; ++step)
-        wgmma_bf16<1>(o[mb], descriptor(tile + mb * kTokens * 128 + step * 16 * 128, 16, 1024),
+        wgmma_16bit<false, 1>(o[mb], descriptor(tile + mb * kTokens * 128 + step * 16 * 128, 16, 1024),
                       descriptor(p_tile + 32 * step, 16, 1024), 1);
     wgmma_commit_and_wait();
     mbarrier_arrive(empty + s);
@@ -251,15 +198,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       out[(64 * mb + 16 * warp + g + 8 * h) * kRows + row_of(k, c)] = o[mb][x] * inv[k];
     }
 }
-
-float bf16_value(uint16_t h) {
-  const uint32_t w = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &w, 4);
-  return f;
-}
-
-uint16_t to_bf16(float f) { return __bfloat16_as_ushort(__float2bfloat16(f)); }
 
 bool ok(cudaError_t err, const char* what) {
   if (err != cudaSuccess) std::printf("%s failed: %s\n", what, cudaGetErrorString(err));
