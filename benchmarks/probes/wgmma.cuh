@@ -24,23 +24,15 @@ __device__ inline uint64_t descriptor(const void* smem, uint32_t lbo, uint32_t s
          (uint64_t((sbo & 0x3FFFF) >> 4) << 32) | (uint64_t(1) << 62);
 }
 
-// D[64 x 16] (+)= A B, 16-bit operands (bf16 or f16), A K-major or, with kTransA, MN-major.
-template <bool kF16, int kTransA>
-__device__ __forceinline__ void wgmma_16bit(float (&d)[8], uint64_t a, uint64_t b, int accumulate) {
-  if constexpr (kF16)
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %10, 0;\n"
-        " wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, "
-        "%11, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "l"(a), "l"(b), "r"(accumulate), "n"(kTransA));
-  else
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %10, 0;\n"
-        " wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, "
-        "%11, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "l"(a), "l"(b), "r"(accumulate), "n"(kTransA));
+// D[64 x 16] (+)= A B, bf16 operands, A K-major or, with kTransA, MN-major.
+template <int kTransA>
+__device__ __forceinline__ void wgmma_bf16(float (&d)[8], uint64_t a, uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %10, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, "
+      "%11, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "l"(a), "l"(b), "r"(accumulate), "n"(kTransA));
 }
 
 // D[64 x 16] (+)= A B, E4M3 operands, both K-major (fp8 has no transposed form).

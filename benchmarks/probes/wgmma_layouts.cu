@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(128) probe(const uint8_t* k_tile_g, const uint
   wgmma_fence();
   for (int s = 0; s < kEntry / 16; ++s) {
     const int chunk = s / 4, at = 32 * (s % 4);
-    wgmma_16bit<false, 0>(d, descriptor(k_tile + chunk * kTokens * 128 + at, 16, 1024),
+    wgmma_bf16<0>(d, descriptor(k_tile + chunk * kTokens * 128 + at, 16, 1024),
                   descriptor(q_tile + chunk * kRows * 128 + at, 16, 1024), s > 0);
   }
   wgmma_commit_and_wait();
@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(128) probe(const uint8_t* k_tile_g, const uint
     float o[8] = {};
     wgmma_fence();
     for (int s = 0; s < kTokens / 16; ++s)
-      wgmma_16bit<false, 1>(o, descriptor(k_tile + mb * kTokens * 128 + s * 16 * 128, 16, 1024),
+      wgmma_bf16<1>(o, descriptor(k_tile + mb * kTokens * 128 + s * 16 * 128, 16, 1024),
                     descriptor(p_tile + 32 * s, 16, 1024), s > 0);
     wgmma_commit_and_wait();
     store_accumulator(o, o_t, 64 * mb, kRows);

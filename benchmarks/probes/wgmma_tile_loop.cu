@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int step = 0; step < kEntry / 16; ++step) {
       const int chunk = step / 4, at = 32 * (step % 4);
-      wgmma_16bit<false, 0>(d, descriptor(tile + chunk * kTokens * 128 + at, 16, 1024),
+      wgmma_bf16<0>(d, descriptor(tile + chunk * kTokens * 128 + at, 16, 1024),
                     descriptor(q_tile + chunk * kRows * 128 + at, 16, 1024), step > 0);
     }
     wgmma_commit_and_wait();
@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int mb = 0; mb < 8; ++mb)
 #pragma unroll
       for (int step = 0; step < kTokens / 16; ++step)
-        wgmma_16bit<false, 1>(o[mb], descriptor(tile + mb * kTokens * 128 + step * 16 * 128, 16, 1024),
+        wgmma_bf16<1>(o[mb], descriptor(tile + mb * kTokens * 128 + step * 16 * 128, 16, 1024),
                       descriptor(p_tile + 32 * step, 16, 1024), 1);
     wgmma_commit_and_wait();
     mbarrier_arrive(empty + s);
