@@ -4,7 +4,7 @@
 #   bash benchmarks/h200.sh [build] [test] [attn-test] [sanitize] [attn-sanitize] [selfcheck]
 #                           [bench] [bench-quick] [attn-bench] [attn-bench-quick] [prefill-test]
 #                           [prefill-bench] [prefill-bench-quick] [serve-h200] [ncu] [attn-ncu]
-#                           [soft-fp8] [wheel]
+#                           [soft-fp8] [wheel] [gather-probe]
 # Logs and a tarball of benchmarks/results go to $OUT (or ./h200-out).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -123,6 +123,20 @@ for s in $stages; do
         "$work/venv/bin/python" -c "import jax_kimi_mla as m; assert m.HAS_CUDA_MODULE and \"$work/venv\" in m.__file__, m.__file__; print(\"wheel\", m.__version__, \"from\", m.__file__)"
         "$work/venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_decode_attention.py \
           tests/test_gather_cache.py tests/test_nonfinite.py tests/test_padded_rows.py -k cuda' ;;
+    gather-probe)
+      # The gather kernel alone (no extension build, about 30 s): the production kernel and the
+      # candidates of benchmarks/probes/gather_bulk.cuh, each checked bit for bit and timed
+      # against a device copy (benchmarks/probes/gather_cache.cu), the production one twice for
+      # the run-to-run spread, then the candidate's checks under compute-sanitizer.
+      inc=(-I ffi/include -I "$(python3 -c 'import jax.ffi; print(jax.ffi.include_dir())')")
+      bin=$(mktemp -d) bulk=-DJKM_GATHER_SOURCE='"gather_bulk.cuh"'
+      build() { nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a "${inc[@]}" "${@:2}" -o "$bin/$1" \
+                  benchmarks/probes/gather_cache.cu 2>&1 | grep -E " error"; }
+      build production & build bulk "$bulk" & build bulk16 "$bulk" -DJKM_GATHER_BULK_WARPS=16 & wait
+      for name in production bulk bulk16; do stage "gather-probe-$name" "$bin/$name"; done
+      stage gather-probe-production-again "$bin/production"
+      stage gather-probe-memcheck compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 10 \
+        "$bin/bulk" --check-only ;;
     *) echo "unknown stage $s"; status=1 ;;
   esac
 done

@@ -1,15 +1,24 @@
 """The probes of benchmarks/probes compile wherever nvcc is (CI has it), and on an sm_90 GPU they
-pass: the hardware facts a kernel plan relies on still hold."""
+pass: the hardware facts a kernel plan relies on still hold, and the kernels they measure (the
+gather's production kernel and its candidate) match the CPU handler's operations bit for bit."""
 
 import shutil
 import subprocess
 from pathlib import Path
 
 import jax
+import jax.ffi
 import pytest
 
-PROBES = Path(__file__).resolve().parents[1] / "benchmarks" / "probes"
+ROOT = Path(__file__).resolve().parents[1]
+PROBES = ROOT / "benchmarks" / "probes"
 NVCC = shutil.which("nvcc")
+# The gather probe includes a kernel source: the production one, or a candidate beside the probe.
+VARIANTS = {
+    "gather_cache.cu[bulk]": ("gather_cache.cu", ['-DJKM_GATHER_SOURCE="gather_bulk.cuh"']),
+    "gather_cache.cu[bulk-16-warps]": ("gather_cache.cu", ['-DJKM_GATHER_SOURCE="gather_bulk.cuh"', "-DJKM_GATHER_BULK_WARPS=16"]),
+}
+BUILDS = {p.name: (p.name, []) for p in PROBES.glob("*.cu")} | VARIANTS
 
 
 def hopper_gpu() -> bool:
@@ -20,10 +29,12 @@ def hopper_gpu() -> bool:
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on the PATH")
-@pytest.mark.parametrize("probe", sorted(p.name for p in PROBES.glob("*.cu")))
+@pytest.mark.parametrize("probe", sorted(BUILDS))
 def test_probe_builds_and_passes_on_hopper(probe, tmp_path):
-    binary = tmp_path / probe.removesuffix(".cu")
-    build = [NVCC, "-std=c++17", "-O2", "-gencode=arch=compute_90a,code=sm_90a", "-o", str(binary), str(PROBES / probe)]
+    source, flags = BUILDS[probe]
+    binary = tmp_path / "probe"
+    includes = ["-I", str(ROOT / "ffi" / "include"), "-I", jax.ffi.include_dir()]
+    build = [NVCC, "-std=c++17", "-O2", "-gencode=arch=compute_90a,code=sm_90a", *includes, *flags, "-o", str(binary), str(PROBES / source)]
     result = subprocess.run(build, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     if not hopper_gpu():

@@ -102,6 +102,7 @@
 #include <string>
 
 #include "jax_kimi_mla/decode_attention.h"
+#include "sm90_copy.cuh"
 
 namespace jax_kimi_mla {
 namespace {
@@ -193,10 +194,6 @@ __device__ __forceinline__ int64_t min64(int64_t x, int64_t y) { return x < y ? 
 __device__ __forceinline__ int64_t max64(int64_t x, int64_t y) { return x > y ? x : y; }
 
 // ---- PTX: ldmatrix, mma.sync ----
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 
 // Four 8x8 matrices of 16-bit elements; lanes 8i..8i+7 give the row addresses of matrix i, which
 // lands in r[i]. Without .trans lane l holds row l/4, columns 2(l%4) and 2(l%4)+1 of each
@@ -475,47 +472,8 @@ __device__ __forceinline__ int64_t tile_token_row(const DecodeAttention& a, cons
 // one per token, each run of consecutive rows one bulk copy (the number of copies, not their
 // bytes, bounded a tile). 16-bit tiles: warp 0 alone, with 2D tensor-map boxes (TileMaps). The
 // host launches the kernel on sm_90+ only (it also needs 206-227 KB of shared memory); for older
-// architectures these compile to traps.
+// architectures these compile to traps (sm90_copy.cuh).
 
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-#define SM90_ASM(...) asm volatile(__VA_ARGS__)
-#else
-#define SM90_ASM(...) __trap()
-#endif
-
-__device__ __forceinline__ void mbarrier_init(uint64_t* bar, int count) {
-  SM90_ASM("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbarrier_init_fence() {
-  SM90_ASM("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-__device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint64_t* bar, uint32_t bytes) {
-  SM90_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
-           : "memory");
-}
-__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
-  SM90_ASM("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 1;
-  do {
-    SM90_ASM("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-             " selp.u32 %0, 1, 0, p;\n}\n"
-             : "=r"(done)
-             : "r"(smem_addr(bar)), "r"(parity)
-             : "memory");
-  } while (!done);
-}
-// Orders this thread's generic-proxy writes to shared memory (a zero-filled row) before later
-// async-proxy ones (a bulk copy to the same place, by any thread, after a barrier).
-__device__ __forceinline__ void fence_proxy_async() {
-  SM90_ASM("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  SM90_ASM("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-           ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar))
-           : "memory");
-}
 // The box of `map` at element column `col`, cache row `row` (rows past the cache land as zeros).
 __device__ __forceinline__ void box_copy(void* dst, const CUtensorMap& map, int col, int row, uint64_t* bar) {
   SM90_ASM("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
