@@ -132,8 +132,9 @@ for s in $stages; do
       bin=$(mktemp -d) bulk=-DJKM_GATHER_SOURCE='"gather_bulk.cuh"'
       build() { nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a "${inc[@]}" "${@:2}" -o "$bin/$1" \
                   benchmarks/probes/gather_cache.cu 2>&1 | grep -E " error"; }
-      build production & build bulk "$bulk" & build bulk16 "$bulk" -DJKM_GATHER_BULK_WARPS=16 & wait
-      for name in production bulk bulk16; do stage "gather-probe-$name" "$bin/$name"; done
+      build production & build bulk "$bulk" & build bulk16 "$bulk" -DJKM_GATHER_BULK_WARPS=16 &
+      build bulk2cta "$bulk" -DJKM_GATHER_BULK_CTAS=2 & wait
+      for name in production bulk bulk16 bulk2cta; do stage "gather-probe-$name" "$bin/$name"; done
       stage gather-probe-production-again "$bin/production"
       stage gather-probe-memcheck compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 10 \
         "$bin/bulk" --check-only ;;

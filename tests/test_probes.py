@@ -17,6 +17,7 @@ NVCC = shutil.which("nvcc")
 VARIANTS = {
     "gather_cache.cu[bulk]": ("gather_cache.cu", ['-DJKM_GATHER_SOURCE="gather_bulk.cuh"']),
     "gather_cache.cu[bulk-16-warps]": ("gather_cache.cu", ['-DJKM_GATHER_SOURCE="gather_bulk.cuh"', "-DJKM_GATHER_BULK_WARPS=16"]),
+    "gather_cache.cu[bulk-2-ctas]": ("gather_cache.cu", ['-DJKM_GATHER_SOURCE="gather_bulk.cuh"', "-DJKM_GATHER_BULK_CTAS=2"]),
 }
 BUILDS = {p.name: (p.name, []) for p in PROBES.glob("*.cu")} | VARIANTS
 

@@ -8,7 +8,7 @@
 // warps ask for; bulk copies keep a stage count of tiles in flight whatever the registers.
 // docs/DECODE_ATTENTION.md, "The gather", has the measurements. sm_90 only (the bulk copies).
 //
-// One CTA per SM: W = 8 warps consume, one more produces. Work: tiles of up to 32 consecutive
+// One CTA per SM (or two): W = 8 warps consume, one more produces. Work: tiles of up to 32 consecutive
 // tokens of one sequence in (sequence, tile) order, then tiles of zero rows up to num_tokens; CTA
 // c takes tiles c, c + grid, ... For each tile that has rows the producer warp looks its tokens'
 // rows up (a lane each, one tile ahead), waits for a free stage, writes the tile's first output
@@ -29,26 +29,32 @@
 namespace jax_kimi_mla {
 namespace {
 
-// 8 consumer warps (2 per scheduler) by default; the probe builds 16 too (-DJKM_GATHER_BULK_WARPS=16)
-// in case converting and storing a stage is what then bounds it.
+// 8 consumer warps (2 per scheduler) and one CTA per SM by default; the probe also builds 16
+// warps (-DJKM_GATHER_BULK_WARPS=16), in case converting and storing a stage is what then bounds
+// it, and two CTAs per SM with half the stages each (-DJKM_GATHER_BULK_CTAS=2), in case one
+// producer's lookups are.
 #ifndef JKM_GATHER_BULK_WARPS
 #define JKM_GATHER_BULK_WARPS 8
 #endif
+#ifndef JKM_GATHER_BULK_CTAS
+#define JKM_GATHER_BULK_CTAS 1
+#endif
 constexpr int kConsumerWarps = JKM_GATHER_BULK_WARPS;
-static_assert(kConsumerWarps % 4 == 0 && kConsumerWarps <= 16);
+constexpr int kCtasPerSm = JKM_GATHER_BULK_CTAS;
+static_assert(kConsumerWarps % 4 == 0 && kConsumerWarps <= 16 && (kCtasPerSm == 1 || kCtasPerSm == 2));
 constexpr int kConsumers = 32 * kConsumerWarps;
 constexpr int kThreads = kConsumers + 32;  // + the producer warp
 constexpr int kTileRows = 32;              // a lane of the producer warp per token
 constexpr int kMainGroups = 64;            // groups 0..63 of a row: lanes l and l + 32
-constexpr int kStageBudget = 176 * 1024;   // the stages' share of shared memory
-constexpr int64_t kMaxSharedBytes = 227 * 1024;
+constexpr int kStageBudget = 176 * 1024 / kCtasPerSm;  // the stages' share of shared memory
+constexpr int64_t kMaxSharedBytes = 227 * 1024 / kCtasPerSm;
 
 template <CacheFormat kFormat>
 struct BulkLayout {
   static constexpr int kEntryBytes =
       kFormat == CacheFormat::kFp8DsMla ? kDsMlaEntryBytes : kFormat == CacheFormat::kFp8 ? kEntry : 2 * kEntry;
   static constexpr int kStageBytes = kTileRows * kEntryBytes;  // rows at i * kEntryBytes
-  static constexpr int kStages = kStageBudget / kStageBytes;  // bf16 4, plain fp8 9, ds_mla 8
+  static constexpr int kStages = kStageBudget / kStageBytes;  // one CTA per SM: bf16 4, fp8 9, ds_mla 8
   // Shared memory: the stages, their descriptors and mbarriers, then first_row [batch + 1].
   static constexpr int kDescOffset = kStages * kStageBytes;
   static constexpr int kBarrierOffset = kDescOffset + kStages * 16;
@@ -107,7 +113,7 @@ __device__ ProducerTile next_tile(const GatherCache& g, const int64_t* first_row
 }
 
 template <CacheFormat kFormat, ActType kCache16, OutType kOut>
-__global__ void __launch_bounds__(kThreads, 1) gather_bulk_kernel(GatherCache g) {
+__global__ void __launch_bounds__(kThreads, kCtasPerSm) gather_bulk_kernel(GatherCache g) {
   using L = BulkLayout<kFormat>;
   extern __shared__ __align__(128) uint8_t smem[];
   TileDesc* desc = reinterpret_cast<TileDesc*>(smem + L::kDescOffset);
@@ -223,7 +229,7 @@ ffi::Error launch(cudaStream_t stream, const GatherCache& g) {
   if (err != cudaSuccess) return cuda_error(err);
   const int64_t tiles = std::max<int64_t>((g.max_len() + kTileRows - 1) / kTileRows, 1);
   const int64_t work = g.batch * tiles + (g.num_tokens + kTileRows - 1) / kTileRows;
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(work, sms));
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(work, int64_t(sms) * kCtasPerSm));
   kernel<<<unsigned(blocks), kThreads, shared, stream>>>(g);
   return ffi::Error::Success();
 }
