@@ -234,15 +234,5 @@ ffi::Error launch(cudaStream_t stream, const GatherCache& g) {
   return ffi::Error::Success();
 }
 
-template <CacheFormat kFormat, ActType kCache16>
-ffi::Error launch_out(cudaStream_t stream, const GatherCache& g) {
-  switch (g.out_type) {
-    case OutType::kBF16: return launch<kFormat, kCache16, OutType::kBF16>(stream, g);
-    case OutType::kF16: return launch<kFormat, kCache16, OutType::kF16>(stream, g);
-    case OutType::kF32: return launch<kFormat, kCache16, OutType::kF32>(stream, g);
-  }
-  return ffi::Error::Internal("jax_kimi_mla gather_mla_cache: unknown output type");
-}
-
 }  // namespace
 }  // namespace jax_kimi_mla

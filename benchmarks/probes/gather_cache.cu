@@ -53,14 +53,9 @@ const char* out_name(OutType o) { return o == OutType::kBF16 ? "bf16" : o == Out
 int out_bytes(OutType o) { return o == OutType::kF32 ? 4 : 2; }
 
 ffi::Error launch_any(cudaStream_t stream, const GatherCache& g) {
-  switch (g.cache_format) {
-    case CacheFormat::kBf16:
-      return g.cache16 == ActType::kBF16 ? launch_out<CacheFormat::kBf16, ActType::kBF16>(stream, g)
-                                         : launch_out<CacheFormat::kBf16, ActType::kF16>(stream, g);
-    case CacheFormat::kFp8: return launch_out<CacheFormat::kFp8, ActType::kBF16>(stream, g);
-    case CacheFormat::kFp8DsMla: return launch_out<CacheFormat::kFp8DsMla, ActType::kBF16>(stream, g);
-  }
-  return ffi::Error::Internal("unknown format");
+  return launch_instance(g, [&](auto format, auto cache16, auto out) {
+    return launch<format.value, cache16.value, out.value>(stream, g);
+  });
 }
 
 // A case on the host: the cache bytes, int32 tables and lengths, and the GatherCache over host

@@ -18,9 +18,9 @@
 //   the reference path: the CPU handler's operations one by one.
 // Masked tokens and rows past the last token are zero rows; rows past num_tokens are dropped.
 // The kernel is compiled per cache format, 16-bit cache type and output type, so the inner loop
-// has no format branches. The conversions live in gather_common.cuh; benchmarks/probes/
-// gather_cache.cu runs this kernel alone (bit for bit against the CPU handler, timed against a
-// copy) without building the extension.
+// has no format branches. The conversions, the prefix scan and the table of instances live in
+// gather_common.cuh; benchmarks/probes/gather_cache.cu runs this kernel alone (bit for bit against
+// the CPU handler, timed against a copy) without building the extension.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -172,16 +172,6 @@ ffi::Error launch(cudaStream_t stream, const GatherCache& g) {
   return ffi::Error::Success();
 }
 
-template <CacheFormat kFormat, ActType kCache16>
-ffi::Error launch_out(cudaStream_t stream, const GatherCache& g) {
-  switch (g.out_type) {
-    case OutType::kBF16: return launch<kFormat, kCache16, OutType::kBF16>(stream, g);
-    case OutType::kF16: return launch<kFormat, kCache16, OutType::kF16>(stream, g);
-    case OutType::kF32: return launch<kFormat, kCache16, OutType::kF32>(stream, g);
-  }
-  return ffi::Error::Internal("jax_kimi_mla gather_mla_cache: unknown output type");
-}
-
 ffi::Error handler(cudaStream_t stream, ffi::AnyBuffer cache, ffi::AnyBuffer tables, ffi::AnyBuffer lens,
                    ffi::AnyBuffer cache_scale_inv, ffi::Result<ffi::AnyBuffer> out) {
   GatherCache g;
@@ -190,15 +180,9 @@ ffi::Error handler(cudaStream_t stream, ffi::AnyBuffer cache, ffi::AnyBuffer tab
   if (g.num_tokens == 0) return ffi::Error::Success();
   if (reinterpret_cast<uintptr_t>(g.cache) % 16 != 0 || reinterpret_cast<uintptr_t>(g.out) % 16 != 0)
     return ffi::Error::InvalidArgument("jax_kimi_mla gather_mla_cache: buffers must be 16-byte aligned");
-  ffi::Error err = ffi::Error::Success();
-  switch (g.cache_format) {
-    case CacheFormat::kBf16:
-      err = g.cache16 == ActType::kBF16 ? launch_out<CacheFormat::kBf16, ActType::kBF16>(stream, g)
-                                        : launch_out<CacheFormat::kBf16, ActType::kF16>(stream, g);
-      break;
-    case CacheFormat::kFp8: err = launch_out<CacheFormat::kFp8, ActType::kBF16>(stream, g); break;
-    case CacheFormat::kFp8DsMla: err = launch_out<CacheFormat::kFp8DsMla, ActType::kBF16>(stream, g); break;
-  }
+  const ffi::Error err = launch_instance(g, [&](auto format, auto cache16, auto out) {
+    return launch<format.value, cache16.value, out.value>(stream, g);
+  });
   if (err.failure()) return err;
   const cudaError_t launched = cudaGetLastError();
   return launched == cudaSuccess

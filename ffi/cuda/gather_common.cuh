@@ -1,10 +1,13 @@
 // What the gather_mla_cache kernels share (gather_cache_cuda.cu, and the candidates that
 // benchmarks/probes measures against it): the values, a cache group of 8 elements (16 bytes of a
 // 16-bit cache, 8 E4M3 codes) converted exactly and stored as an output group, bit for bit what
-// the CPU handler's entry_values and store_out8 give; and the sequences' first output rows.
+// the CPU handler's entry_values and store_out8 give; the sequences' first output rows; and the
+// table of kernel instances.
 #pragma once
 
 #include <cuda_runtime.h>
+
+#include <type_traits>
 
 #include "jax_kimi_mla/gather_cache.h"
 
@@ -218,6 +221,33 @@ __device__ void first_rows(const GatherCache& g, int64_t* first_row, int64_t* wa
   }
   if (threadIdx.x == 0) first_row[0] = 0;
   __syncthreads();
+}
+
+// ---- the kernel instance of a call ----
+
+template <auto kValue>
+using Tag = std::integral_constant<decltype(kValue), kValue>;
+
+// launch(format, 16-bit cache type, output type), each a Tag, for g's: the instances a gather
+// kernel is compiled for (the 16-bit cache type is bf16 for the 1-byte formats).
+template <typename Launch>
+ffi::Error launch_instance(const GatherCache& g, Launch&& launch) {
+  const auto with_out = [&](auto format, auto cache16) {
+    switch (g.out_type) {
+      case OutType::kBF16: return launch(format, cache16, Tag<OutType::kBF16>{});
+      case OutType::kF16: return launch(format, cache16, Tag<OutType::kF16>{});
+      case OutType::kF32: return launch(format, cache16, Tag<OutType::kF32>{});
+    }
+    return ffi::Error::Internal("jax_kimi_mla gather_mla_cache: unknown output type");
+  };
+  switch (g.cache_format) {
+    case CacheFormat::kBf16:
+      return g.cache16 == ActType::kBF16 ? with_out(Tag<CacheFormat::kBf16>{}, Tag<ActType::kBF16>{})
+                                         : with_out(Tag<CacheFormat::kBf16>{}, Tag<ActType::kF16>{});
+    case CacheFormat::kFp8: return with_out(Tag<CacheFormat::kFp8>{}, Tag<ActType::kBF16>{});
+    case CacheFormat::kFp8DsMla: return with_out(Tag<CacheFormat::kFp8DsMla>{}, Tag<ActType::kBF16>{});
+  }
+  return ffi::Error::Internal("jax_kimi_mla gather_mla_cache: unknown cache format");
 }
 
 }  // namespace jax_kimi_mla
