@@ -72,9 +72,7 @@ Case make_case(CacheFormat fmt, ActType c16, OutType out, int block_size, const 
   Case c;
   GatherCache& g = c.g;
   g.cache_format = fmt, g.cache16 = c16, g.out_type = out;
-  g.block_size = block_size;
-  for (int s = 0; s < 31; ++s)
-    if (block_size == 1 << s) g.block_shift = s;
+  g.set_block_size(block_size);
   g.batch = int64_t(lens.size());
   int max_len = 0;
   for (int n : lens) max_len = std::max(max_len, n);
@@ -112,24 +110,14 @@ Case make_case(CacheFormat fmt, ActType c16, OutType out, int block_size, const 
   return c;
 }
 
-// The CPU handler's loop (ffi/cpu/gather_cache_cpu.cc) over host memory.
+// The CPU handler's gather (gather_on_host) over host memory.
 std::vector<uint8_t> host_gather(Case& c) {
   GatherCache g = c.g;
   g.cache = c.cache.data(), g.block_tables = c.tables.data(), g.context_lens = c.lens.data();
   g.cache_scale_inv = g.cache_format == CacheFormat::kFp8 ? &c.scale_inv : nullptr;
-  const size_t row_bytes = kEntry * size_t(out_bytes(g.out_type));
-  std::vector<uint8_t> out(size_t(g.num_tokens) * row_bytes, 0);
+  std::vector<uint8_t> out(size_t(g.num_tokens) * kEntry * size_t(out_bytes(g.out_type)));
   g.out = out.data();
-  int64_t r = 0;
-  for (int64_t b = 0; b < g.batch && r < g.num_tokens; ++b) {
-    const int64_t len = g.context_len(b);
-    for (int64_t t = 0; t < len && r < g.num_tokens; ++t, ++r) {
-      const int64_t cache_row = g.token_row(b, t);
-      float v[kEntry] = {};
-      if (cache_row >= 0) entry_values(g, g.cache + cache_row * g.row_bytes, v);
-      for (int group = 0; group < kEntry / 8; ++group) store_out8(g, r, group, v + 8 * group);
-    }
-  }
+  gather_on_host(g);
   return out;
 }
 
@@ -265,7 +253,7 @@ float time_us(const std::function<void()>& f, int reps) {
 bool time_case(CacheFormat fmt, int64_t batch, int64_t context, double ceiling) {
   GatherCache g;
   g.cache_format = fmt, g.cache16 = ActType::kBF16, g.out_type = OutType::kBF16;
-  g.block_size = 64, g.block_shift = 6;
+  g.set_block_size(64);
   g.batch = batch, g.max_blocks = (context + 63) / 64;
   g.num_blocks = batch * g.max_blocks + 64;
   g.row_bytes = g.entry_bytes();

@@ -3,6 +3,7 @@
 // prefill reads its context this way). Host and device.
 #pragma once
 
+#include <cstring>
 #include <string>
 
 #include "jax_kimi_mla/paged_cache.h"
@@ -37,6 +38,24 @@ JKM_HD void store_out8(const GatherCache& g, int64_t r, int group, const float v
   for (int i = 0; i < 4; ++i)
     w.w[i] = g.out_type == OutType::kBF16 ? bf16x2(v[2 * i], v[2 * i + 1]) : f16x2(v[2 * i], v[2 * i + 1]);
   store16(static_cast<uint16_t*>(g.out) + first, w);
+}
+
+// The whole gather on the host (the CPU handler): sequence after sequence, token after token,
+// in plain loops; rows past the last token are zeros.
+inline void gather_on_host(const GatherCache& g) {
+  int64_t r = 0;  // the next output row
+  for (int64_t b = 0; b < g.batch && r < g.num_tokens; ++b) {
+    const int64_t len = g.context_len(b);
+    for (int64_t t = 0; t < len && r < g.num_tokens; ++t, ++r) {
+      const int64_t cache_row = g.token_row(b, t);  // -1: masked, a zero row
+      float v[kEntry] = {};
+      if (cache_row >= 0) entry_values(g, g.cache + cache_row * g.row_bytes, v);
+      for (int group = 0; group < kEntry / 8; ++group) store_out8(g, r, group, v + 8 * group);
+    }
+  }
+  const size_t row_bytes = kEntry * (g.out_type == OutType::kF32 ? 4 : 2);
+  if (r < g.num_tokens)
+    std::memset(static_cast<uint8_t*>(g.out) + r * row_bytes, 0, size_t(g.num_tokens - r) * row_bytes);
 }
 
 // ---- FFI operands -> GatherCache (host) ----

@@ -35,6 +35,13 @@ struct PagedCache {
 
   JKM_HD int64_t max_len() const { return max_blocks * block_size; }
 
+  // Sets block_size and its block_shift.
+  JKM_HD void set_block_size(int64_t size) {
+    block_size = size, block_shift = -1;
+    for (int shift = 0; shift < 31; ++shift)
+      if (size == int64_t(1) << shift) block_shift = shift;
+  }
+
   // The bytes of one entry: 656 (fp8_ds_mla), 576 (plain fp8), 1152 (bf16/fp16).
   JKM_HD int64_t entry_bytes() const {
     return cache_format == CacheFormat::kFp8DsMla ? kDsMlaEntryBytes
@@ -130,12 +137,11 @@ inline std::string make_paged_cache(ffi::AnyBuffer cache, ffi::AnyBuffer tables,
     case T::F16: p.cache_format = CacheFormat::kBf16, p.cache16 = ActType::kF16; break;
     default: return "kv_cache must be bfloat16, float16, float8_e4m3fn or uint8";
   }
-  p.num_blocks = cd[0], p.block_size = cd[1], p.row_bytes = cd[2] * item;
+  p.num_blocks = cd[0], p.row_bytes = cd[2] * item;
+  p.set_block_size(cd[1]);
   if (p.row_bytes < p.entry_bytes() || p.row_bytes % 16 != 0)
     return "kv_cache rows must hold an entry and be a multiple of 16 bytes";
   if (p.block_size < 1 && p.num_blocks > 0) return "block_size must be >= 1";
-  for (int shift = 0; shift < 31; ++shift)
-    if (p.block_size == int64_t(1) << shift) p.block_shift = shift;
   const bool fp8_cache = p.cache_format == CacheFormat::kFp8;
   if ((cache_scale_inv.element_count() == 1) != fp8_cache ||
       cache_scale_inv.element_type() != T::F32 || cache_scale_inv.element_count() > 1)
