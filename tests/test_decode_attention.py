@@ -160,22 +160,26 @@ def test_matches_reference(backend, fmt, q_dtype, q_tokens):
 
 
 @pytest.mark.parametrize("block_size", (1, 16, 32, 64, 128, 48))
-def test_block_sizes_and_int64_indices(backend, block_size):
-    with jax.enable_x64(True):
-        args, kw = make_case("bf16", "bfloat16", lens=(0, 5, 3 * block_size + 1, 300), block_size=block_size, index=np.int64)
-        assert_close("bf16", "bfloat16", poisoned_run(args, kw, backend), run(reference.mla_decode_attention, args, kw, "cpu"))
-
-
-@pytest.mark.parametrize("num_splits", (1, 2, 3, 7, 40))
 @pytest.mark.parametrize("fmt,q_dtype", (("bf16", "bfloat16"), ("fp8_ds_mla", "bfloat16")))
-def test_split_count_does_not_change_the_result(backend, fmt, q_dtype, num_splits):
-    args, kw = make_case(fmt, q_dtype, lens=(700, 64, 1, 0, 129), q_tokens=2, heads=20)
+def test_block_sizes_and_int64_indices(backend, fmt, q_dtype, block_size):
+    with jax.enable_x64(True):
+        args, kw = make_case(fmt, q_dtype, lens=(0, 5, 3 * block_size + 1, 300), block_size=block_size, index=np.int64)
+        assert_close(fmt, q_dtype, poisoned_run(args, kw, backend), run(reference.mla_decode_attention, args, kw, "cpu"))
+
+
+# S_q = 1 and S_q = 2 mask differently in the kernels (per token; per query row).
+@pytest.mark.parametrize("num_splits", (1, 2, 3, 7, 40))
+@pytest.mark.parametrize("q_tokens", (1, 2))
+@pytest.mark.parametrize("fmt,q_dtype", (("bf16", "bfloat16"), ("fp8", "float8_e4m3fn"), ("fp8_ds_mla", "bfloat16")))
+def test_split_count_does_not_change_the_result(backend, fmt, q_dtype, q_tokens, num_splits):
+    args, kw = make_case(fmt, q_dtype, lens=(700, 64, 1, 0, 129), q_tokens=q_tokens, heads=20)
     want = run(reference.mla_decode_attention, args, kw, "cpu")
     assert_close(fmt, q_dtype, poisoned_run(args, dict(kw, num_splits=num_splits), backend), want)
 
 
-def test_nan_inside_the_length_propagates(backend):
-    args, kw = make_case("bf16", "bfloat16", lens=(40, 40), nan_token=(0, 35))  # block 2: not shared, not masked
+@pytest.mark.parametrize("fmt", ("bf16", "fp8", "fp8_ds_mla"))
+def test_nan_inside_the_length_propagates(backend, fmt):
+    args, kw = make_case(fmt, "bfloat16", lens=(40, 40), nan_token=(0, 35))  # block 2: not shared, not masked
     out, lse = run(jax_kimi_mla.mla_decode_attention, args, kw, backend)
     assert np.isnan(lse[0]).all() and np.isnan(out[0]).all()
     assert np.isfinite(lse[1]).all() and np.isfinite(out[1]).all()
@@ -237,12 +241,40 @@ def test_gpus_before_hopper_fall_back_to_the_reference(monkeypatch):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("q_tokens", (1, 2))
 @pytest.mark.parametrize("fmt,q_dtype", FORMATS)
-def test_cuda_long_contexts(fmt, q_dtype):
+def test_cuda_long_contexts(fmt, q_dtype, q_tokens):
     """Thousands of tokens per sequence, many splits, the GPU's default split count."""
-    args, kw = make_case(fmt, q_dtype, lens=(5000, 1, 4096, 2049), q_tokens=2, heads=16, block_size=64, seed=3)
+    args, kw = make_case(fmt, q_dtype, lens=(5000, 1, 4096, 2049), q_tokens=q_tokens, heads=16, block_size=64, seed=3)
     want = run(reference.mla_decode_attention, args, kw, "cpu")
     assert_close(fmt, q_dtype, poisoned_run(args, kw, "cuda"), want)
+
+
+# The wgmma kernel (JAX_KIMI_MLA_DECODE_KERNEL=wgmma: the 1-byte formats at S_q = 1 on sm_90):
+# long and ragged lengths, split counts, block sizes, a NaN inside a length.
+WGMMA_CASES = {
+    "long": dict(lens=(5000, 1, 0, 2049, 77), heads=16, block_size=64),
+    "one split": dict(lens=(700, 64, 1, 0, 129), heads=20, num_splits=1),
+    "many splits": dict(lens=(700, 64, 1, 0, 129), heads=20, num_splits=40),
+    "block 16": dict(lens=(0, 5, 49, 300), block_size=16),
+    "block 128": dict(lens=(0, 5, 385, 300), block_size=128),
+    "block 48": dict(lens=(0, 5, 145, 300), block_size=48),
+    "nan": dict(lens=(40, 40), nan_token=(0, 35)),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", WGMMA_CASES)
+@pytest.mark.parametrize("fmt,q_dtype", [f for f in FORMATS if f[0] != "bf16"])
+def test_cuda_wgmma_kernel_of_the_one_byte_formats(monkeypatch, fmt, q_dtype, case):
+    monkeypatch.setenv("JAX_KIMI_MLA_DECODE_KERNEL", "wgmma")
+    spec = dict(WGMMA_CASES[case])
+    splits = {"num_splits": spec.pop("num_splits")} if "num_splits" in spec else {}
+    args, kw = make_case(fmt, q_dtype, seed=4, **spec)
+    want = run(reference.mla_decode_attention, args, kw, "cpu")
+    assert_close(fmt, q_dtype, poisoned_run(args, dict(kw, **splits), "cuda"), want)
+    if case == "nan":
+        assert np.isnan(want[1][0]).all() and np.isfinite(want[1][1]).all()
 
 
 @pytest.mark.cuda

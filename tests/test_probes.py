@@ -1,6 +1,7 @@
 """The probes of benchmarks/probes compile wherever nvcc is (CI has it), and on an sm_90 GPU they
-pass: the hardware facts a kernel plan relies on still hold, and the kernels they measure (the
-gather's production kernel and its candidate) match the CPU handler's operations bit for bit."""
+pass: the hardware facts a kernel plan relies on still hold, the kernels they measure (the
+gather's production kernel and its candidate) match the CPU handler's operations bit for bit, and
+the decode attention's two kernels agree."""
 
 import shutil
 import subprocess
@@ -18,6 +19,7 @@ VARIANTS = {
     "gather_cache.cu[bulk]": ("gather_cache.cu", ['-DJKM_GATHER_SOURCE="gather_bulk.cuh"']),
     "gather_cache.cu[bulk-16-warps]": ("gather_cache.cu", ['-DJKM_GATHER_SOURCE="gather_bulk.cuh"', "-DJKM_GATHER_BULK_WARPS=16"]),
     "gather_cache.cu[bulk-2-ctas]": ("gather_cache.cu", ['-DJKM_GATHER_SOURCE="gather_bulk.cuh"', "-DJKM_GATHER_BULK_CTAS=2"]),
+    "decode_attention.cu[trace]": ("decode_attention.cu", ["-DJKM_WG_TRACE"]),
 }
 BUILDS = {p.name: (p.name, []) for p in PROBES.glob("*.cu")} | VARIANTS
 

@@ -71,6 +71,9 @@
 //    of the conversion and P.V (+20%). 4 warps x 32-token tiles at 2 CTAs per SM measured slower,
 //    and so did 16 warps for plain fp8 (271 against 232 us: each warp's fixed per-tile work, about
 //    300 instructions, doubled with the warps).
+// 1b. wgmma_attention_kernel (opt-in, JAX_KIMI_MLA_DECODE_KERNEL=wgmma; sm_90, the 1-byte formats,
+//    S_q = 1), in place of attention_kernel: warp roles handing tiles over by mbarriers, wgmma
+//    with the tokens as M. Correct, still slower (its section below).
 // 2. combine_kernel (num_splits > 1 only), one CTA per (row, sequence), 16 warps when the rows
 //    are fewer than twice the SMs (a row's splits loaded in one round), else 4: the live splits
 //    merged with weights exp(lse_s - max lse); empty (-inf) splits are skipped and their outputs
@@ -99,10 +102,12 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <string>
 
 #include "jax_kimi_mla/decode_attention.h"
 #include "sm90_copy.cuh"
+#include "sm90_wgmma.cuh"
 
 namespace jax_kimi_mla {
 namespace {
@@ -494,23 +499,29 @@ __device__ __forceinline__ int swizzled_offset(int row, int piece) {
   return (piece >> 3) * kChunkBytes + row * 128 + (((piece & 7) ^ (row & 7)) << 4);
 }
 
-// Thread `token` (< 64) issues its share of a 1-byte tile: the run of rows of consecutive tokens
-// of its warp in consecutive cache rows, if it starts one, with one bulk copy; or, for a masked
-// token (row -1), zeros. Each of the 64 threads arrives once.
+// The bytes of the run of consecutive cache rows that this lane's token starts among its warp's
+// 32 consecutive tokens (lane = token % 32), or 0 where the token continues a run or is masked
+// (row -1): each run is one bulk copy, landing at the first token's place in a raw tile.
+// Padded rows are not contiguous entries: each is its own run.
+template <int kEntryBytes>
+__device__ __forceinline__ uint32_t run_bytes(const DecodeAttention& a, int64_t row, int lane) {
+  const int64_t prev = __shfl_up_sync(0xFFFFFFFFu, row, 1);
+  const bool continues = lane > 0 && row >= 0 && prev >= 0 && prev + 1 == row && a.row_bytes == kEntryBytes;
+  const uint32_t breaks = __ballot_sync(0xFFFFFFFFu, !continues);
+  const uint32_t later = breaks & ~((2u << lane) - 1u);  // breaks past this lane (lane 31: none)
+  const int run_end = later != 0 ? __ffs(int(later)) - 1 : 32;
+  return row >= 0 && !continues ? uint32_t(run_end - lane) * kEntryBytes : 0;
+}
+
+// Thread `token` (< 64) issues its share of a 1-byte tile: its run (run_bytes) with one bulk
+// copy, or, for a masked token (row -1), zeros. Each of the 64 threads arrives once.
 template <CacheFormat kFormat>
 __device__ __forceinline__ void issue_raw_tile(const DecodeAttention& a, int64_t row, uint8_t* raw,
                                                uint64_t* bar) {
   using L = Layout<kFormat>;
   uint8_t* dst = raw + threadIdx.x * L::kEntryBytes;
-  const int lane = int(threadIdx.x) % 32;
-  // Padded rows are not contiguous entries: each is its own copy.
-  const int64_t prev = __shfl_up_sync(0xFFFFFFFFu, row, 1);
-  const bool continues = lane > 0 && row >= 0 && prev >= 0 && prev + 1 == row && a.row_bytes == L::kEntryBytes;
-  const uint32_t breaks = __ballot_sync(0xFFFFFFFFu, !continues);
-  const uint32_t later = breaks & ~((2u << lane) - 1u);  // breaks past this lane (lane 31: none)
-  const int run_end = later != 0 ? __ffs(int(later)) - 1 : 32;
-  if (row >= 0 && !continues) {
-    const uint32_t bytes = uint32_t(run_end - lane) * L::kEntryBytes;
+  const uint32_t bytes = run_bytes<L::kEntryBytes>(a, row, int(threadIdx.x) % 32);
+  if (bytes != 0) {
     mbarrier_arrive_expect_bytes(bar, bytes);
     bulk_copy(dst, a.cache + row * a.row_bytes, bytes, bar);
     return;
@@ -1194,6 +1205,518 @@ __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const Decod
   }
 }
 
+// ---- sm_90a, the 1-byte formats at S_q = 1: warp roles and wgmma with the tokens as M ----
+//
+// wgmma_attention_kernel, grid and partials as attention_kernel's (one CTA per SM, 16 query rows
+// and the tokens of one split), for plain fp8 and fp8_ds_mla when S_q = 1, on an sm_90 GPU, where
+// asked for (takes_wgmma_kernel): correct, not yet faster. The mma.sync kernel above is bound by
+// the chain of its phases across eight warps and three barriers (2.0-2.5 us a tile), which the
+// 1-byte formats' bytes (1.0-1.2 us a tile at HBM speed) do not hide. Here the phases have their
+// own warps and hand tiles over by mbarriers, with no CTA-wide barrier:
+// - the converter warpgroups (8 warps) load each raw tile's codes into registers, let warp 0
+//   reissue the stage for the tile two ahead (its rows looked up a tile earlier, one bulk copy
+//   per run of consecutive rows), and write the tile as nine 64-column chunks of the 16-bit
+//   element type (mma_type), 128-byte swizzled, masked tokens zero: E4M3 codes exactly, ds_mla
+//   codes times their tile scale, ds_mla k_pe as it is. The chunks go to a ring of 15 slots, on a
+//   full and an empty mbarrier per slot, so the converter can run 6 chunks ahead of the consumer;
+// - the consumer warpgroup computes S^T = K Q^T (36 wgmma m64n16k16: A = the chunks, K-major,
+//   B = the 16-row query tile), the online softmax over the tokens (a row's max crosses the four
+//   warps through shared memory), writes P^T to a 16 x 64 P tile, and O^T += V^T P^T (8 latent
+//   blocks of 64 x 4 k-steps, A = the first 8 chunks read MN-major), committed a block at a time
+//   so that each slot is handed back once its block is done.
+// At S_q = 1 every row sees the same tokens, so masking is per token (a zero row and a -inf
+// logit) and no partly-seen token exists; S_q > 1 stays on the mma.sync kernel. A NaN in a
+// visible token reaches every row, as in any attention. The tile layouts and descriptors were
+// checked on the H200 by benchmarks/probes/wgmma_layouts.cu, the loop's speed by
+// wgmma_tile_loop.cu; benchmarks/probes/decode_attention.cu runs this kernel against the other.
+
+// Phase stamps of the roles, for benchmarks/probes/decode_attention.cu built with -DJKM_WG_TRACE
+// (which defines this to record clock64 for CTA 0); nothing otherwise.
+#ifndef JKM_WG_TRACE_AT
+#define JKM_WG_TRACE_AT(tile, point)
+#endif
+constexpr int kWgConsumers = 128;                               // warpgroup 0
+constexpr int kWgConverters = 256;                              // warpgroups 1 and 2
+constexpr int kWgThreads = kWgConsumers + kWgConverters;
+constexpr int kWgRawStages = 2;
+constexpr int kWgChunks = kEntry / 64;  // 64-column chunks of a 16-bit tile
+// The converted chunks live in a ring of slots: tile i's chunk c is the CTA's chunk 9i + c, in
+// slot (9i + c) % kWgSlots. With 15 slots the converter runs up to 6 chunks ahead of the tile
+// the consumer is on, so that converting tile i + 1 overlaps the softmax and P.V of tile i.
+constexpr int kWgSlots = 15;
+constexpr int kWgGroup = 3;  // chunks handed over at once, behind one proxy fence
+constexpr int kWgStagedChunks = 4;  // the last tile's chunks the output rows are staged over (4 rows each)
+
+template <CacheFormat kFormat>
+struct WgLayout {
+  static_assert(kFormat != CacheFormat::kBf16, "the 1-byte formats");
+  static constexpr int kEntryBytes = kFormat == CacheFormat::kFp8 ? kEntry : kDsMlaEntryBytes;
+  static constexpr int kRawTileBytes = kTileTokens * kEntryBytes;
+  static constexpr int kRing = 0;                                     // [kWgSlots][64 rows][128 B]
+  static constexpr int kQ = kRing + kWgSlots * kChunkBytes;           // [9 chunks][16 rows][128 B]
+  static constexpr int kP = kQ + kWgChunks * kTileRows * 128;         // [16 rows][128 B]
+  static constexpr int kRaw = kP + kTileRows * 128;                   // [kWgRawStages][kRawTileBytes]
+  static constexpr int kRows = kRaw + kWgRawStages * kRawTileBytes;   // int64 [kWgRawStages][64]
+  static constexpr int kLive = kRows + kWgRawStages * kTileTokens * 8;  // uint64 [2]: live tokens by tile parity
+  static constexpr int kRowMax = kLive + 16;                          // float [2 parities][4 warps][16]
+  static constexpr int kRowSum = kRowMax + 2 * 4 * kTileRows * 4;     // float [4 warps][16]
+  static constexpr int kBarriers = kRowSum + 4 * kTileRows * 4;       // uint64, in the order below
+  static constexpr int kRawFull = 0, kSlotFull = kWgRawStages,
+                       kSlotEmpty = kSlotFull + kWgSlots, kBarrierCount = kSlotEmpty + kWgSlots;
+  static constexpr int kBytes = kBarriers + kBarrierCount * 8;
+  static_assert(kQ % 1024 == 0 && kP % 1024 == 0 && kRaw % 16 == 0 && kRows % 16 == 0 && kBarriers % 8 == 0);
+  static_assert(kBytes <= 232448, "more than sm_90's 227 KB of shared memory per block");
+};
+
+// The slot of the CTA's chunk g, and the phase parity of its use there.
+__device__ __forceinline__ int wg_slot(int64_t g) { return int(g % kWgSlots); }
+__device__ __forceinline__ uint32_t wg_use_parity(int64_t g) { return uint32_t(g / kWgSlots) & 1; }
+
+// The tokens CTA (blockIdx.x, blockIdx.y) covers of sequence b at S_q = 1 (attend's rules), or
+// false for a split past the length, which writes nothing (the combine skips it).
+__device__ __forceinline__ bool wg_work(const DecodeAttention& a, int64_t b, Work& w) {
+  const int64_t len = a.context_len(b), per = a.split_tokens(len);
+  w.b = b;
+  w.row0 = int64_t(blockIdx.y) * kTileRows;
+  w.first = int64_t(blockIdx.x) * per;
+  if (a.num_splits > 1 && w.first >= len) return false;
+  w.load_end = min64(w.first + per, len);
+  w.n_tiles = w.load_end > w.first ? (w.load_end - w.first + kTileTokens - 1) / kTileTokens : 0;
+  return true;
+}
+
+// A walk over the CTA's tiles: its sequences (blockIdx.z, + gridDim.z, ...) that have tokens in
+// its split, tile by tile; b >= a.batch once past the last.
+struct WgCursor {
+  int64_t b, tile;
+  Work w;
+};
+
+__device__ __forceinline__ void wg_seek(const DecodeAttention& a, WgCursor& t) {  // from sequence t.b on
+  for (t.tile = 0; t.b < a.batch; t.b += gridDim.z)
+    if (wg_work(a, t.b, t.w) && t.w.n_tiles > 0) return;
+}
+__device__ __forceinline__ WgCursor wg_first_tile(const DecodeAttention& a) {
+  WgCursor t;
+  t.b = blockIdx.z;
+  wg_seek(a, t);
+  return t;
+}
+__device__ __forceinline__ void wg_next_tile(const DecodeAttention& a, WgCursor& t) {
+  if (++t.tile < t.w.n_tiles) return;
+  t.b += gridDim.z;
+  wg_seek(a, t);
+}
+
+// The cache rows of tile t's 64 tokens (lane l: tokens l and l + 32), loaded a tile early so
+// that their latency hides behind a conversion.
+__device__ __forceinline__ void wg_lookup(const DecodeAttention& a, const WgCursor& t, int lane, int64_t (&row)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) row[h] = tile_token_row(a, t.w, t.tile, lane + 32 * h);
+}
+
+// One warp lands a tile's rows in raw stage s: the rows to the stage's row table, then one bulk
+// copy per run of rows, on the stage's full mbarrier (one arrival, announcing every live token's
+// bytes).
+template <CacheFormat kFormat>
+__device__ __forceinline__ void wg_issue(const DecodeAttention& a, uint8_t* smem, int s, const int64_t (&row)[2],
+                                         int lane) {
+  using L = WgLayout<kFormat>;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBarriers) + L::kRawFull + s;
+  int64_t* table = reinterpret_cast<int64_t*>(smem + L::kRows) + s * kTileTokens;
+  int live = 0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    table[lane + 32 * h] = row[h];
+    live += __popc(__ballot_sync(0xFFFFFFFFu, row[h] >= 0));
+  }
+  __syncwarp();  // the table's rows precede the arrival that publishes them
+  if (lane == 0) mbarrier_arrive_expect_bytes(full, uint32_t(live) * L::kEntryBytes);
+  uint8_t* stage = smem + L::kRaw + s * L::kRawTileBytes;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t bytes = run_bytes<L::kEntryBytes>(a, row[h], lane);
+    if (bytes != 0) bulk_copy(stage + (lane + 32 * h) * L::kEntryBytes, a.cache + row[h] * a.row_bytes, bytes, full);
+  }
+}
+
+__device__ __forceinline__ void wg_converter_sync() { named_barrier_sync<2, kWgConverters>(); }
+
+// The converter warpgroups (thread ct of 256): each raw tile to its nine 16-bit chunks in the
+// ring, and (warp 0) the copies of the tile two ahead into the stage just converted. Thread ct
+// writes 16-byte piece ct % 8 of rows ct / 8 and ct / 8 + 32 of every chunk, from codes it loads
+// all at once, so the 8 lanes of a row see all of its columns: where the element conversion does
+// not keep NaN (bf16 elements), they or their codes' NaN flags and make the row's last chunk
+// (k_pe, or the last 64 codes) NaN, which makes its logit NaN for every query row, as a NaN in K
+// would; its +-480 stand-ins in V are then weighed by nothing but NaN.
+template <CacheFormat kFormat, ActType kElem>
+__device__ void wg_convert(const DecodeAttention& a, uint8_t* smem, int ct) {
+  using L = WgLayout<kFormat>;
+  constexpr bool kDsMla = kFormat == CacheFormat::kFp8DsMla;
+  constexpr bool kTracksNan = !placed_keeps_nan<kElem>();
+  constexpr int kCodeChunks = kDsMla ? kWgChunks - 1 : kWgChunks;  // ds_mla's last chunk is k_pe
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
+  const int64_t* table = reinterpret_cast<const int64_t*>(smem + L::kRows);
+  uint64_t* live_mask = reinterpret_cast<uint64_t*>(smem + L::kLive);
+  const int piece = ct % 8;
+  const bool issuer = ct < 32;  // converter warp 0
+  // `ahead` is the next tile to issue, its rows already loaded (row_ahead): a stage is reissued
+  // as soon as its codes are in registers, and the lookups are a tile ahead of that.
+  WgCursor tile = wg_first_tile(a), ahead = tile;
+  int64_t row_ahead[2] = {-1, -1};
+  if (issuer) {
+    for (int s = 0; s < kWgRawStages && ahead.b < a.batch; ++s, wg_next_tile(a, ahead)) {
+      wg_lookup(a, ahead, ct, row_ahead);
+      wg_issue<kFormat>(a, smem, s, row_ahead, ct);
+    }
+    if (ahead.b < a.batch) wg_lookup(a, ahead, ct, row_ahead);
+  }
+  for (int64_t i = 0; tile.b < a.batch; ++i, wg_next_tile(a, tile)) {
+    const int s = int(i % kWgRawStages);
+    JKM_WG_TRACE_AT(i, 8);
+    mbarrier_wait(bars + L::kRawFull + s, uint32_t(i / kWgRawStages) & 1);
+    JKM_WG_TRACE_AT(i, 5);
+    const uint8_t* stage = smem + L::kRaw + s * L::kRawTileBytes;
+    const int64_t* rows = table + s * kTileTokens;
+    bool live[2];
+    uint2 codes[2][kCodeChunks];
+    uint4 pe[2];
+    float scale[2][kLatent / kDsMlaTile];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const uint8_t* src = stage + (ct / 8 + 32 * k) * L::kEntryBytes;
+      live[k] = rows[ct / 8 + 32 * k] >= 0;
+#pragma unroll
+      for (int c = 0; c < kCodeChunks; ++c) codes[k][c] = *reinterpret_cast<const uint2*>(src + 64 * c + 8 * piece);
+      if constexpr (kDsMla) {
+        pe[k] = *reinterpret_cast<const uint4*>(src + kDsMlaPeOffset + 16 * piece);
+        const float4 sc = *reinterpret_cast<const float4*>(src + kDsMlaScaleOffset);
+        scale[k][0] = sc.x, scale[k][1] = sc.y, scale[k][2] = sc.z, scale[k][3] = sc.w;
+      }
+    }
+    uint64_t tile_live = 0;  // the consumer's mask of live tokens (converter warp 0)
+    if (issuer)
+      tile_live = __ballot_sync(0xFFFFFFFFu, rows[ct] >= 0) | uint64_t(__ballot_sync(0xFFFFFFFFu, rows[ct + 32] >= 0)) << 32;
+    wg_converter_sync();  // every converter thread has the stage's codes and rows in registers
+    if (issuer && ahead.b < a.batch) {
+      wg_issue<kFormat>(a, smem, s, row_ahead, ct);
+      wg_next_tile(a, ahead);
+      if (ahead.b < a.batch) wg_lookup(a, ahead, ct, row_ahead);
+    }
+    JKM_WG_TRACE_AT(i, 9);
+    uint32_t nan_bits[2] = {0, 0};
+#pragma unroll
+    for (int c = 0; c < kWgChunks; ++c) {
+      const int64_t g = kWgChunks * i + c;
+      if (g >= kWgSlots) mbarrier_wait(bars + L::kSlotEmpty + wg_slot(g), wg_use_parity(g - kWgSlots));
+      if (c == 0) {
+        JKM_WG_TRACE_AT(i, 6);
+        // The consumer's mask of live tokens, published with chunk 0; its last reader (the
+        // consumer, two tiles back) has released the slot just waited for.
+        if (ct == 0) live_mask[i & 1] = tile_live;
+      }
+      uint8_t* slot = smem + L::kRing + wg_slot(g) * kChunkBytes;
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        uint4 v;
+        if (c >= kCodeChunks) {
+          v = pe[k];
+        } else {
+          v = e4m3x8_placed<kElem>(codes[k][c]);
+          if (kTracksNan) nan_bits[k] |= e4m3_nan_bits(codes[k][c].x) | e4m3_nan_bits(codes[k][c].y);
+          if constexpr (kDsMla) {  // exact for the power-of-two scales the writer produces
+            const uint32_t sc = pack_elems<kElem>(scale[k][c / 2], scale[k][c / 2]);
+            v = make_uint4(mul_elems<kElem>(v.x, sc), mul_elems<kElem>(v.y, sc), mul_elems<kElem>(v.z, sc),
+                           mul_elems<kElem>(v.w, sc));
+          }
+        }
+        if (kTracksNan && c == kWgChunks - 1) {
+          bool nan = (nan_bits[k] & 0x80808080u) != 0;
+          nan |= __shfl_xor_sync(0xFFFFFFFFu, nan, 1);
+          nan |= __shfl_xor_sync(0xFFFFFFFFu, nan, 2);
+          nan |= __shfl_xor_sync(0xFFFFFFFFu, nan, 4);
+          if (nan) v = make_uint4(0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u);
+        }
+        if (!live[k]) v = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(slot + swizzled_offset(ct / 8 + 32 * k, piece)) = v;
+      }
+      if ((c + 1) % kWgGroup == 0 || c + 1 == kWgChunks) {
+        fence_proxy_async();  // the chunks are read by wgmma
+        for (int64_t done = g - (c % kWgGroup); done <= g; ++done) mbarrier_arrive(bars + L::kSlotFull + wg_slot(done));
+      }
+    }
+    JKM_WG_TRACE_AT(i, 7);
+  }
+}
+
+// The 16 x 576 query tile of rows row0.. of sequence b in the element type, swizzled (16-row
+// chunks), by the 128 consumer threads: all loads first, then the conversions and stores.
+template <ActType kElem>
+__device__ __forceinline__ void wg_store_q(const DecodeAttention& a, const Work& w, uint8_t* q_tile, int ct) {
+  constexpr int kPiecesPerRow = kEntry / 8, kPer = kTileRows * kPiecesPerRow / kWgConsumers;  // 9
+  static_assert(kPer * kWgConsumers == kTileRows * kPiecesPerRow);
+  const int64_t rows = a.rows();
+  uint4 v[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int p = ct + j * kWgConsumers, r = p / kPiecesPerRow;
+    const int64_t elem = (w.b * rows + w.row0 + r) * kEntry + (p - r * kPiecesPerRow) * 8;
+    v[j] = make_uint4(0, 0, 0, 0);  // padding rows
+    if (w.row0 + r < rows) {
+      if (a.q_type == QType::kE4m3) {
+        const uint2 codes = __ldg(reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(a.q) + elem));
+        v[j] = make_uint4(codes.x, codes.y, 0, 0);
+      } else {
+        v[j] = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.q) + elem));
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int p = ct + j * kWgConsumers, r = p / kPiecesPerRow;
+    uint4 x = v[j];
+    if (a.q_type == QType::kE4m3) x = e4m3x8_exact<kElem>(make_uint2(x.x, x.y));
+    else if (kElem == ActType::kBF16 && a.q_type == QType::kF16) x = f16x8_to_bf16(x);  // f16 q, ds_mla
+    *reinterpret_cast<uint4*>(q_tile + swizzled_piece(r, p - r * kPiecesPerRow, kTileRows)) = x;
+  }
+}
+
+__device__ __forceinline__ void wg_consumer_sync() { named_barrier_sync<1, kWgConsumers>(); }
+
+// After P.V of a tile (chunks g0..): wait for its latent blocks in order and hand each chunk's
+// slot back to the converter, except, after a sequence's last tile, the chunks its output rows
+// are staged over.
+template <int kBlock = 0>
+__device__ __forceinline__ void wg_release_blocks(uint64_t* slot_empty, int64_t g0, bool staging_next) {
+  wgmma_wait<kLatent / 64 - 1 - kBlock>();
+  if (kBlock >= kWgStagedChunks || !staging_next) mbarrier_arrive(slot_empty + wg_slot(g0 + kBlock));
+  if constexpr (kBlock + 1 < kLatent / 64) wg_release_blocks<kBlock + 1>(slot_empty, g0, staging_next);
+}
+
+// The consumer warpgroup (warp w < 4, lane = 4g + c). Its accumulator element x = 4j + 2h + e of
+// a 64 x 16 block is D[16w + g + 8h][8j + 2c + e]: M is a token (S^T) or a latent column (O^T), N
+// the query row wg_row(k, c) with k = 2j + e.
+__device__ __forceinline__ int wg_row(int k, int c) { return 8 * (k >> 1) + 2 * c + (k & 1); }
+
+template <CacheFormat kFormat, ActType kElem>
+__device__ void wg_consume(const DecodeAttention& a, uint8_t* smem, const Scales& scales, int warp) {
+  using L = WgLayout<kFormat>;
+  constexpr bool kF16 = kElem == ActType::kF16;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
+  const uint64_t* live_mask = reinterpret_cast<const uint64_t*>(smem + L::kLive);
+  float* row_max = reinterpret_cast<float*>(smem + L::kRowMax);
+  float* row_sum = reinterpret_cast<float*>(smem + L::kRowSum);
+  uint8_t* ring = smem + L::kRing;
+  uint8_t* q_tile = smem + L::kQ;
+  uint8_t* p_tile = smem + L::kP;
+  const int ct = int(threadIdx.x), lane = ct % 32, g = lane / 4, c = lane % 4;
+  const int64_t rows = a.rows();
+  int64_t i = 0;  // the CTA's tiles so far, over its sequences: the phase of every chunk barrier
+  for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) {
+    Work w;
+    if (!wg_work(a, b, w)) continue;
+    if (w.n_tiles == 0) {  // one split, no token: zeros and -inf (the staging chunks may be in use)
+      for (int p = ct; p < kTileRows * kLatent / 8; p += kWgConsumers) {
+        const int64_t r = w.row0 + p / (kLatent / 8);
+        if (r < rows)
+          store16(static_cast<uint16_t*>(a.out) + (w.b * rows + r) * kLatent + 8 * (p % (kLatent / 8)),
+                  Raw16{});
+      }
+      if (ct < kTileRows && w.row0 + ct < rows) a.lse[w.b * rows + w.row0 + ct] = -INFINITY;
+      continue;
+    }
+    wg_store_q<kElem>(a, w, q_tile, ct);
+    fence_proxy_async();  // the query tile is read by wgmma
+    wg_consumer_sync();
+
+    float o[kLatent / 64][8] = {};
+    float m_run[4], l_part[4];  // per row wg_row(k, c): the running max (base 2), this thread's sum
+#pragma unroll
+    for (int k = 0; k < 4; ++k) m_run[k] = -INFINITY, l_part[k] = 0.0f;
+    for (int64_t tile = 0; tile < w.n_tiles; ++tile, ++i) {
+      const int64_t g0 = kWgChunks * i;  // the CTA's chunk index of this tile's chunk 0
+      const auto chunk = [&](int ch) { return ring + wg_slot(g0 + ch) * kChunkBytes; };
+      // S^T in two groups of wgmmas, each issued with no branch among them (a wait loop between
+      // two wgmmas on the same accumulators makes ptxas fence them, one chunk at a time): the
+      // chunks whose slots the previous tile did not use, then the rest, which the converter
+      // writes once P.V of the previous tile hands their slots back.
+      constexpr int kEarly = kWgSlots - kWgChunks;
+      float d[8], d_late[8];
+      JKM_WG_TRACE_AT(i, 0);
+      for (int ch = 0; ch < kEarly; ++ch)
+        mbarrier_wait(bars + L::kSlotFull + wg_slot(g0 + ch), wg_use_parity(g0 + ch));
+      wgmma_fence();
+#pragma unroll
+      for (int ch = 0; ch < kEarly; ++ch)
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          wgmma_m64n16k16<kF16, 0>(d, swizzled_descriptor(chunk(ch) + 32 * k),
+                                   swizzled_descriptor(q_tile + ch * kTileRows * 128 + 32 * k), ch + k > 0);
+      wgmma_commit();
+      for (int ch = kEarly; ch < kWgChunks; ++ch)
+        mbarrier_wait(bars + L::kSlotFull + wg_slot(g0 + ch), wg_use_parity(g0 + ch));
+      JKM_WG_TRACE_AT(i, 1);
+      wgmma_fence();
+#pragma unroll
+      for (int ch = kEarly; ch < kWgChunks; ++ch)
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          wgmma_m64n16k16<kF16, 0>(d_late, swizzled_descriptor(chunk(ch) + 32 * k),
+                                   swizzled_descriptor(q_tile + ch * kTileRows * 128 + 32 * k), ch + k > kEarly);
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int x = 0; x < 8; ++x) d[x] += d_late[x];
+      JKM_WG_TRACE_AT(i, 2);
+      mbarrier_arrive(bars + L::kSlotEmpty + wg_slot(g0 + kWgChunks - 1));  // k_pe is not read by P.V
+      const uint64_t live = live_mask[i & 1];
+
+      // The tile's max per row: over this thread's two tokens (h), the 8 g-lanes, then the 4 warps.
+      float mx[4];
+#pragma unroll
+      for (int x = 0; x < 8; ++x) {
+        const int token = 16 * warp + g + 8 * ((x >> 1) & 1);
+        d[x] = (live >> token) & 1 ? d[x] * scales.logit : -INFINITY;
+      }
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int j = k >> 1, e = k & 1;
+        float v = fmaxf(d[4 * j + e], d[4 * j + 2 + e]);  // fmaxf skips NaN: it propagates through p
+        v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, 4));
+        v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, 8));
+        v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, 16));
+        mx[k] = v;
+      }
+      float* slot = row_max + (i & 1) * 4 * kTileRows;
+      if (g == 0)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) slot[warp * kTileRows + wg_row(k, c)] = mx[k];
+      wg_consumer_sync();
+      float alpha[4], offset[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int r = wg_row(k, c);
+        const float t = fmaxf(fmaxf(slot[r], slot[kTileRows + r]), fmaxf(slot[2 * kTileRows + r], slot[3 * kTileRows + r]));
+        const float m_new = fmaxf(m_run[k], t);
+        // A row that has seen nothing yet keeps p = 0 (exp2(-inf - 0)), never -inf - -inf.
+        offset[k] = m_new == -INFINITY ? 0.0f : m_new;
+        alpha[k] = exp2f(m_run[k] - offset[k]);
+        m_run[k] = m_new;
+      }
+      // P^T to the P tile (row r, token m at swizzled_piece(r, m / 8, 16) + 2 (m % 8)), and this
+      // thread's sums, of the probabilities before their rounding to the element type (the sums
+      // of rounded bf16 values would carry its 2^-9 bias into the lse).
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int j = k >> 1, e = k & 1, r = wg_row(k, c);
+        float sum = 0.0f;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int m = 16 * warp + g + 8 * h;
+          const float prob = exp2f(d[4 * j + 2 * h + e] - offset[k]);
+          const uint32_t pair = pack_elems<kElem>(prob, 0.0f);
+          sum += prob;
+          *reinterpret_cast<uint16_t*>(p_tile + swizzled_piece(r, m / 8, kTileRows) + 2 * (m % 8)) = uint16_t(pair);
+        }
+        l_part[k] = l_part[k] * alpha[k] + sum;
+      }
+      fence_proxy_async();  // P is read by wgmma
+      wg_consumer_sync();
+      JKM_WG_TRACE_AT(i, 3);
+
+#pragma unroll
+      for (int mb = 0; mb < kLatent / 64; ++mb)
+#pragma unroll
+        for (int x = 0; x < 8; ++x) o[mb][x] *= alpha[2 * (x >> 2) + (x & 1)];
+      wgmma_fence_after(o);
+#pragma unroll
+      for (int mb = 0; mb < kLatent / 64; ++mb) {
+#pragma unroll
+        for (int step = 0; step < kTileTokens / 16; ++step)
+          wgmma_m64n16k16<kF16, 1>(o[mb], swizzled_descriptor(chunk(mb) + step * 16 * 128),
+                                   swizzled_descriptor(p_tile + 32 * step), 1);
+        wgmma_commit();
+      }
+      wg_release_blocks(bars + L::kSlotEmpty, g0, tile + 1 == w.n_tiles);
+      JKM_WG_TRACE_AT(i, 4);
+    }
+
+    // The rows' sums (this thread's over the g-lanes, then the warps); the rows staged over the
+    // last tile's first chunks (row r in chunk r / 4: 4 rows of 512 floats a slot), then stored
+    // in whole 16-byte pieces.
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      float v = l_part[k];
+      v += __shfl_xor_sync(0xFFFFFFFFu, v, 4);
+      v += __shfl_xor_sync(0xFFFFFFFFu, v, 8);
+      v += __shfl_xor_sync(0xFFFFFFFFu, v, 16);
+      if (g == 0) row_sum[warp * kTileRows + wg_row(k, c)] = v;
+    }
+    wg_consumer_sync();
+    const int64_t last = kWgChunks * (i - 1);  // the last tile's chunk 0
+    const auto staged_row = [&](int r) {
+      return reinterpret_cast<float*>(ring + wg_slot(last + r / 4) * kChunkBytes) + (r % 4) * kLatent;
+    };
+    static_assert(kWgStagedChunks * 4 == kTileRows && 4 * kLatent * 4 == kChunkBytes, "4 rows a chunk");
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int r = wg_row(k, c);
+      const float sum = row_sum[r] + row_sum[kTileRows + r] + row_sum[2 * kTileRows + r] + row_sum[3 * kTileRows + r];
+      const bool empty = sum == 0.0f;  // saw no live token; a NaN sum is not empty
+      const float norm = empty ? 0.0f : scales.out / sum;
+      float* row = staged_row(r);
+#pragma unroll
+      for (int mb = 0; mb < kLatent / 64; ++mb)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) row[64 * mb + 16 * warp + g + 8 * h] = o[mb][4 * (k >> 1) + 2 * h + (k & 1)] * norm;
+      if (warp == 0 && g == 0 && w.row0 + r < rows) {
+        const float lse = empty ? -INFINITY : (m_run[k] + log2f(sum)) * kLn2;
+        if (a.num_splits == 1) a.lse[w.b * rows + w.row0 + r] = lse;
+        else *a.partial_lse(int(blockIdx.x), w.b, w.row0 + r) = lse;
+      }
+    }
+    wg_consumer_sync();
+    for (int p = ct; p < kTileRows * kLatent / 8; p += kWgConsumers) {
+      const int row = p / (kLatent / 8), col = 8 * (p % (kLatent / 8));
+      const int64_t r = w.row0 + row;
+      if (r >= rows) break;  // padding rows are last
+      const float4 lo = *reinterpret_cast<const float4*>(staged_row(row) + col);
+      const float4 hi = *reinterpret_cast<const float4*>(staged_row(row) + col + 4);
+      if (a.num_splits == 1) {
+        const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        store16(static_cast<uint16_t*>(a.out) + (w.b * rows + r) * kLatent + col, narrow8(a.act == ActType::kBF16, v));
+      } else {
+        float4* part = reinterpret_cast<float4*>(a.partial(int(blockIdx.x), w.b, r) + col);
+        part[0] = lo, part[1] = hi;
+      }
+    }
+    wg_consumer_sync();  // the staging chunks are read: back to the converter
+#pragma unroll
+    for (int ch = 0; ch < kWgStagedChunks; ++ch) mbarrier_arrive(bars + L::kSlotEmpty + wg_slot(last + ch));
+  }
+}
+
+template <CacheFormat kFormat, ActType kElem>
+__global__ void __launch_bounds__(kWgThreads, 1) wgmma_attention_kernel(const DecodeAttention a) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  using L = WgLayout<kFormat>;
+  if (threadIdx.x == 0) {
+    uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
+    for (int s = 0; s < kWgRawStages; ++s)
+      mbarrier_init(bars + L::kRawFull + s, 1);
+    for (int slot = 0; slot < kWgSlots; ++slot)
+      mbarrier_init(bars + L::kSlotFull + slot, kWgConverters), mbarrier_init(bars + L::kSlotEmpty + slot, kWgConsumers);
+    mbarrier_init_fence();
+  }
+  __syncthreads();  // the only CTA-wide barrier: the roles part here
+  JKM_WG_TRACE_AT(0, 10);
+  const int warp = uniform_warp_index();
+  if (warp < kWgConsumers / 32)
+    wg_consume<kFormat, kElem>(a, smem, load_scales<kFormat>(a), warp);
+  else
+    wg_convert<kFormat, kElem>(a, smem, int(threadIdx.x) - kWgConsumers);
+}
+
 // ---- Host side ----
 
 ffi::Error cuda_error(const char* what, cudaError_t err) {
@@ -1259,6 +1782,29 @@ ffi::Error launch_attention(cudaStream_t stream, const DecodeAttention& a, dim3 
   return ffi::Error::Success();
 }
 
+template <CacheFormat kFormat, ActType kElem>
+ffi::Error launch_wgmma_attention(cudaStream_t stream, const DecodeAttention& a, dim3 grid) {
+  constexpr int kBytes = WgLayout<kFormat>::kBytes;
+  const auto kernel = wgmma_attention_kernel<kFormat, kElem>;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+  if (err != cudaSuccess) {
+    const std::string what = "allowing " + std::to_string(kBytes) + " bytes of shared memory per block";
+    return cuda_error(what.c_str(), err);
+  }
+  kernel<<<grid, kWgThreads, kBytes, stream>>>(a);
+  return ffi::Error::Success();
+}
+
+// Whether the call takes wgmma_attention_kernel: only where asked for
+// (JAX_KIMI_MLA_DECODE_KERNEL=wgmma, read per call), on an sm_90 GPU (wgmma is sm_90a's), for a
+// 1-byte cache at S_q = 1. It is correct but still slower than attention_kernel on the H200
+// (docs/DECODE_ATTENTION.md, "Ninth round"), so it is not the default yet.
+bool takes_wgmma_kernel(const DecodeAttention& a, int major) {
+  if (major != 9 || a.q_tokens != 1 || a.cache_format == CacheFormat::kBf16) return false;
+  const char* choice = std::getenv("JAX_KIMI_MLA_DECODE_KERNEL");
+  return choice != nullptr && std::string(choice) == "wgmma";
+}
+
 // The MMA element type: f16 where both q and the cache's values are exact in f16 (f16 q over an
 // f16 or plain fp8 cache; E4M3 q, which comes with the plain fp8 cache: E4M3 x E4M3 products are
 // exact either way, and sm_89+ converts E4M3 to f16 in hardware), bf16 otherwise (bf16 q; ds_mla
@@ -1286,6 +1832,12 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a) {
   const dim3 grid(unsigned(a.num_splits), unsigned(row_groups), batch_blocks);
   const bool f16 = mma_type(a) == ActType::kF16;
   ffi::Error err = ffi::Error::Success();
+  if (takes_wgmma_kernel(a, major)) {
+    err = a.cache_format == CacheFormat::kFp8DsMla
+              ? launch_wgmma_attention<CacheFormat::kFp8DsMla, ActType::kBF16>(stream, a, grid)
+          : f16 ? launch_wgmma_attention<CacheFormat::kFp8, ActType::kF16>(stream, a, grid)
+                : launch_wgmma_attention<CacheFormat::kFp8, ActType::kBF16>(stream, a, grid);
+  } else {
   switch (a.cache_format) {
     case CacheFormat::kBf16:
       err = f16 ? launch_attention<CacheFormat::kBf16, ActType::kF16>(stream, a, grid)
@@ -1298,6 +1850,7 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a) {
     case CacheFormat::kFp8DsMla:
       err = launch_attention<CacheFormat::kFp8DsMla, ActType::kBF16>(stream, a, grid);
       break;
+  }
   }
   if (err.failure()) return err;
   if (a.num_splits > 1) {

@@ -1,0 +1,232 @@
+// The mla_decode_attention CUDA kernels (ffi/cuda/decode_attention_cuda.cu, included as it is)
+// alone on a GPU, without building the extension: the wgmma kernel of the 1-byte formats against
+// the mma.sync kernel on the same inputs, then both timed at the benchmark's memory-bound size
+// and at B = 1, so that a kernel change can be judged in one short device call. The tests of
+// tests/test_decode_attention.py remain the correctness reference; this only guards against
+// timing a broken build. With -DJKM_WG_TRACE the wgmma kernel's roles stamp clock64 at each phase
+// for CTA 0 and the probe prints where a tile's time goes.
+//
+//   INC="-I ffi/include -I $(python3 -c 'import jax.ffi; print(jax.ffi.include_dir())')"
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a $INC -o /tmp/decode_attention \
+//       benchmarks/probes/decode_attention.cu && /tmp/decode_attention
+#ifdef JKM_WG_TRACE
+__device__ long long g_trace[64][12];
+#define JKM_WG_TRACE_AT(tile, point)                                                          \
+  do {                                                                                        \
+    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && (tile) < 64 &&             \
+        (threadIdx.x == 0 || threadIdx.x == 128 || threadIdx.x == 256))                       \
+      g_trace[tile][point] = clock64();                                                       \
+  } while (0)
+#endif
+#include "../../ffi/cuda/decode_attention_cuda.cu"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+namespace attention_probe {
+
+using namespace jax_kimi_mla;
+
+bool ok(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) std::printf("%s failed: %s\n", what, cudaGetErrorString(err));
+  return err == cudaSuccess;
+}
+
+__global__ void hold(int64_t ns) {
+  const long long start = clock64();
+  while (clock64() - start < ns) {
+  }
+}
+
+struct Case {
+  CacheFormat format;
+  int batch, context, heads, splits;
+};
+
+// Random non-NaN E4M3 codes; ds_mla rows with power-of-two scales and bf16 k_pe.
+std::vector<uint8_t> make_cache(CacheFormat f, int64_t rows, std::mt19937& rng) {
+  const int bytes = f == CacheFormat::kFp8 ? kEntry : kDsMlaEntryBytes;
+  std::vector<uint8_t> cache(size_t(rows) * bytes);
+  std::uniform_int_distribution<int> code(0, 255);
+  for (auto& c : cache) {
+    c = uint8_t(code(rng));
+    if ((c & 0x7F) == 0x7F) c ^= 1;
+  }
+  if (f == CacheFormat::kFp8DsMla)
+    for (int64_t r = 0; r < rows; ++r) {
+      uint8_t* e = cache.data() + r * bytes;
+      for (int t = 0; t < 4; ++t) {
+        const float s = std::ldexp(1.0f, -6 + t);
+        std::memcpy(e + kDsMlaScaleOffset + 4 * t, &s, 4);
+      }
+      for (int i = 0; i < kRope; ++i) {
+        const uint16_t h = uint16_t(0x3C00 + code(rng)) ^ (code(rng) & 0x80 ? 0x8000 : 0);  // about 0.01..0.05
+        std::memcpy(e + kDsMlaPeOffset + 2 * i, &h, 2);
+      }
+    }
+  return cache;
+}
+
+float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int run_case(const Case& k, std::mt19937& rng) {
+  const int bs = 64, max_blocks = (k.context + bs - 1) / bs;
+  const int64_t num_blocks = int64_t(k.batch) * max_blocks, rows = num_blocks * bs;
+  const bool fp8 = k.format == CacheFormat::kFp8;
+  const std::vector<uint8_t> cache = make_cache(k.format, rows, rng);
+  std::vector<int32_t> tables(size_t(k.batch) * max_blocks), lens(k.batch, k.context);
+  for (size_t i = 0; i < tables.size(); ++i) tables[i] = int32_t(i);
+  std::shuffle(tables.begin(), tables.end(), rng);
+  // q: E4M3 codes with the plain fp8 cache (as the bench runs it), else bf16 about N(0, 1).
+  const int64_t q_elems = int64_t(k.batch) * k.heads * kEntry;
+  std::vector<uint8_t> q(size_t(q_elems) * (fp8 ? 1 : 2));
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t i = 0; i < q_elems; ++i) {
+    if (fp8) {
+      uint8_t c = uint8_t(rng() & 0xFF);
+      if ((c & 0x7F) >= 0x60) c &= 0xBF;  // moderate codes
+      q[i] = c;
+    } else {
+      const uint16_t h = __bfloat16_as_ushort(__float2bfloat16(normal(rng)));
+      std::memcpy(&q[2 * i], &h, 2);
+    }
+  }
+  const float q_inv = 14.0f, cache_inv = 56.0f;
+
+  uint8_t *d_cache, *d_q;
+  int32_t *d_tables, *d_lens;
+  float *d_scales, *d_lse, *d_partials;
+  uint16_t* d_out;
+  const int64_t out_elems = int64_t(k.batch) * k.heads * kLatent;
+  const size_t partial_floats = k.splits > 1 ? size_t(k.splits) * k.batch * k.heads * kAttnRowStats : 0;
+  if (!ok(cudaMalloc(&d_cache, cache.size()), "malloc") || !ok(cudaMalloc(&d_q, q.size()), "malloc") ||
+      !ok(cudaMalloc(&d_tables, tables.size() * 4), "malloc") || !ok(cudaMalloc(&d_lens, lens.size() * 4), "malloc") ||
+      !ok(cudaMalloc(&d_scales, 8), "malloc") || !ok(cudaMalloc(&d_lse, size_t(k.batch) * k.heads * 4), "malloc") ||
+      !ok(cudaMalloc(&d_partials, partial_floats * 4 + 16), "malloc") || !ok(cudaMalloc(&d_out, out_elems * 2), "malloc"))
+    return 2;
+  cudaMemcpy(d_cache, cache.data(), cache.size(), cudaMemcpyHostToDevice);
+  cudaMemcpy(d_q, q.data(), q.size(), cudaMemcpyHostToDevice);
+  cudaMemcpy(d_tables, tables.data(), tables.size() * 4, cudaMemcpyHostToDevice);
+  cudaMemcpy(d_lens, lens.data(), lens.size() * 4, cudaMemcpyHostToDevice);
+  const float scales[2] = {q_inv, cache_inv};
+  cudaMemcpy(d_scales, scales, 8, cudaMemcpyHostToDevice);
+
+  DecodeAttention a;
+  a.cache_format = k.format;
+  a.cache = d_cache;
+  a.row_bytes = fp8 ? kEntry : kDsMlaEntryBytes;
+  a.num_blocks = num_blocks;
+  a.set_block_size(bs);
+  a.block_tables = d_tables, a.max_blocks = max_blocks;
+  a.context_lens = d_lens;
+  a.cache_scale_inv = fp8 ? d_scales + 1 : nullptr;
+  a.q_type = fp8 ? QType::kE4m3 : QType::kBF16, a.act = ActType::kBF16;
+  a.batch = k.batch, a.q_tokens = 1, a.heads = k.heads;
+  a.q = d_q, a.softmax_scale = 0.0417f;
+  a.q_scale_inv = fp8 ? d_scales : nullptr;
+  a.out = d_out, a.lse = d_lse, a.partials = k.splits > 1 ? d_partials : nullptr, a.num_splits = k.splits;
+
+  std::vector<uint16_t> out[2];
+  std::vector<float> lse[2];
+  float us[2];
+  for (int kernel = 0; kernel < 2; ++kernel) {  // 0: wgmma, 1: mma.sync
+    if (kernel == 0) setenv("JAX_KIMI_MLA_DECODE_KERNEL", "wgmma", 1);
+    else unsetenv("JAX_KIMI_MLA_DECODE_KERNEL");
+    cudaMemset(d_out, 0xFF, out_elems * 2);
+    if (ffi::Error e = run(nullptr, a); e.failure() || !ok(cudaDeviceSynchronize(), "attention")) {
+      std::printf("run failed\n");
+      return 2;
+    }
+    out[kernel].resize(out_elems), lse[kernel].resize(size_t(k.batch) * k.heads);
+    cudaMemcpy(out[kernel].data(), d_out, out_elems * 2, cudaMemcpyDeviceToHost);
+    cudaMemcpy(lse[kernel].data(), d_lse, lse[kernel].size() * 4, cudaMemcpyDeviceToHost);
+    constexpr int kReps = 20;
+    std::vector<cudaEvent_t> ev(kReps + 1);
+    for (auto& e : ev) cudaEventCreate(&e);
+    hold<<<1, 1>>>(4000000);
+    cudaEventRecord(ev[0]);
+    for (int i = 1; i <= kReps; ++i) {
+      (void)run(nullptr, a);
+      cudaEventRecord(ev[i]);
+    }
+    cudaEventSynchronize(ev.back());
+    std::vector<float> t(kReps);
+    for (int i = 1; i <= kReps; ++i) cudaEventElapsedTime(&t[i - 1], ev[i - 1], ev[i]);
+    us[kernel] = 1e3f * median(t);
+    for (auto& e : ev) cudaEventDestroy(e);
+  }
+  double worst = 0, size = 0, lse_worst = 0;
+  for (int64_t i = 0; i < out_elems; ++i) {
+    const float x = bf16_to_f32(out[0][i]), y = bf16_to_f32(out[1][i]);
+    worst = std::isnan(x) != std::isnan(y) ? INFINITY : std::fmax(worst, std::fabs(x - y));
+    size = std::fmax(size, std::fabs(y));
+  }
+  for (size_t i = 0; i < lse[0].size(); ++i) lse_worst = std::fmax(lse_worst, std::fabs(lse[0][i] - lse[1][i]));
+  const bool agree = worst <= 2e-2 * (1 + size) && lse_worst <= 1e-2;
+  const double bytes = double(k.batch) * k.context * a.row_bytes;
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  const double tiles_per_cta = double(k.batch) * max_blocks / (double(k.splits) * k.batch) * 1.0;
+  std::printf("%s B %d context %d H %d splits %d: wgmma %.2f us, mma %.2f us (cache %.0f GB/s vs %.0f); "
+              "wgmma %.2f us a tile; outputs %s (max |diff| %.3g of %.3g, lse %.3g)\n",
+              fp8 ? "fp8       " : "fp8_ds_mla", k.batch, k.context, k.heads, k.splits, us[0], us[1],
+              bytes / (us[0] * 1e3), bytes / (us[1] * 1e3), us[0] / tiles_per_cta, agree ? "agree" : "DIFFER", worst,
+              size, lse_worst);
+#ifdef JKM_WG_TRACE
+  setenv("JAX_KIMI_MLA_DECODE_KERNEL", "wgmma", 1);
+  (void)run(nullptr, a);
+  cudaDeviceSynchronize();
+  long long trace[64][12];
+  cudaMemcpyFromSymbol(trace, g_trace, sizeof trace);
+  const long long t0 = trace[0][10];
+  std::printf("  trace of CTA 0 (cycles from its start): tile: consumer qk-start chunks-ready qk-done softmax-done "
+              "pv-done | converter raw-ready chunk0-free done | tile-start reissued\n");
+  const int n = std::min(64, int(tiles_per_cta));
+  for (int i = 0; i < std::min(n, 6); ++i) {
+    std::printf("  %2d:", i);
+    for (int p = 0; p < 10; ++p) std::printf(" %7lld%s", trace[i][p] - t0, p == 4 || p == 7 ? " |" : "");
+    std::printf("\n");
+  }
+  double d[8] = {};
+  int m = 0;
+  for (int i = 8; i < n; ++i, ++m) {
+    d[0] += trace[i][0] - trace[i - 1][0];  // period
+    d[1] += trace[i][1] - trace[i][0];      // consumer waits for the chunks
+    d[2] += trace[i][2] - trace[i][1];      // QK^T after the last chunk
+    d[3] += trace[i][3] - trace[i][2];      // softmax
+    d[4] += trace[i][4] - trace[i][3];      // P.V
+    d[5] += trace[i][6] - trace[i][5];      // converter waits for chunk 0
+    d[6] += trace[i][7] - trace[i][6];      // conversion
+    d[7] += trace[i][9] - trace[i][8];      // converter: raw wait, loads, reissue
+  }
+  if (m > 0)
+    std::printf("  mean over tiles 8..%d (cycles): period %.0f; consumer: chunk wait %.0f, qk tail %.0f, softmax %.0f, "
+                "pv %.0f; converter: raw-ready to chunk 0 %.0f, convert %.0f, start to reissue %.0f\n",
+                n - 1, d[0] / m, d[1] / m, d[2] / m, d[3] / m, d[4] / m, d[5] / m, d[6] / m, d[7] / m);
+#endif
+  cudaFree(d_cache), cudaFree(d_q), cudaFree(d_tables), cudaFree(d_lens), cudaFree(d_scales), cudaFree(d_lse);
+  cudaFree(d_partials), cudaFree(d_out);
+  return agree ? 0 : 1;
+}
+
+}  // namespace attention_probe
+
+int main() {
+  using namespace attention_probe;
+  cudaDeviceProp prop;
+  cudaGetDeviceProperties(&prop, 0);
+  std::printf("%s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  std::mt19937 rng(7);
+  int status = 0;
+  for (const Case& k : {Case{CacheFormat::kFp8, 64, 16384, 12, 2}, Case{CacheFormat::kFp8DsMla, 64, 16384, 12, 2},
+                        Case{CacheFormat::kFp8, 1, 4096, 12, 64}, Case{CacheFormat::kFp8DsMla, 1, 4096, 12, 64}})
+    status |= run_case(k, rng);
+  return status;
+}

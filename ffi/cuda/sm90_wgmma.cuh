@@ -1,0 +1,81 @@
+// sm_90a warpgroup MMA (wgmma) from shared memory: the matrix descriptors of 128-byte swizzled
+// tiles and the m64n16k16 MMA with float32 accumulation. wgmma exists on sm_90a only (not on
+// sm_100, whose tensor cores take other instructions): for every other target these compile to
+// traps, and the host launches the kernels that use them on sm_90 GPUs only.
+#pragma once
+
+#include <cstdint>
+
+#include "sm90_copy.cuh"
+
+namespace jax_kimi_mla {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define SM90A_ASM(...) asm volatile(__VA_ARGS__)
+#else
+#define SM90A_ASM(...) __trap()
+#endif
+
+// Byte offset of 16-byte piece `piece` of row `row` in a tile stored as chunks of `rows` rows x
+// 128 bytes (64 16-bit columns each, chunk = piece / 8), 128-byte swizzled: the layout a 2D TMA
+// box with SWIZZLE_128B lands, and the one the descriptors below describe.
+__host__ __device__ constexpr int swizzled_piece(int row, int piece, int rows) {
+  return (piece >> 3) * rows * 128 + row * 128 + (((piece & 7) ^ (row & 7)) << 4);
+}
+
+// The descriptor of a 128-byte swizzled operand starting at `smem` (1024-byte aligned chunks):
+// stride byte offset 1024 (the next 8 rows; for an MN-major operand the next 8 k), leading
+// offset unused. A K-major operand's k-step of 16 elements is 32 bytes further in its rows.
+__device__ __forceinline__ uint64_t swizzled_descriptor(const void* smem) {
+  const uint32_t addr = smem_addr(smem);
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
+         (uint64_t(1) << 62);
+}
+
+// D[64 x 16] (+)= A[64 x 16] B[16 x 16], 16-bit operands (kF16: f16, else bf16), A K-major or,
+// with kTransA, MN-major; B K-major. Asynchronous: between wgmma_fence and wgmma_commit, the
+// accumulators are not to be touched until wgmma_wait.
+template <bool kF16, int kTransA>
+__device__ __forceinline__ void wgmma_m64n16k16(float (&d)[8], uint64_t a, uint64_t b, int accumulate) {
+#define JKM_WGMMA(type)                                                                                \
+  SM90A_ASM("{\n .reg .pred p;\n setp.ne.b32 p, %10, 0;\n"                                             \
+            " wgmma.mma_async.sync.aligned.m64n16k16.f32." type "." type                                \
+            " {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, %11, 0;\n}\n"                         \
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]) \
+            : "l"(a), "l"(b), "r"(accumulate), "n"(kTransA))
+  if constexpr (kF16) JKM_WGMMA("f16");
+  else JKM_WGMMA("bf16");
+#undef JKM_WGMMA
+}
+
+__device__ __forceinline__ void wgmma_fence() { SM90A_ASM("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+// wgmma_fence after the last ordinary writes to accumulators `acc` (e.g. a rescale): the empty asm
+// statements pin those writes before the fence, which the compiler would otherwise sink past it
+// (ptxas then fences every wgmma of the group again: C7519).
+template <int kBlocks>
+__device__ __forceinline__ void wgmma_fence_after(float (&acc)[kBlocks][8]) {
+#pragma unroll
+  for (int i = 0; i < kBlocks; ++i)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) asm volatile("" : "+f"(acc[i][j])::"memory");
+  wgmma_fence();
+}
+__device__ __forceinline__ void wgmma_commit() { SM90A_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Until at most kPending committed groups of this warpgroup are still running.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  SM90A_ASM("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+
+// The warp index through a shuffle: ptxas then knows it is warp-uniform and does not serialize
+// the wgmmas behind a branch on it ("C7520 ... WG.AR in divergent path").
+__device__ __forceinline__ int uniform_warp_index() { return __shfl_sync(0xFFFFFFFFu, int(threadIdx.x) / 32, 0); }
+
+// A barrier of `threads` threads (a warpgroup or a few) on hardware barrier `id` (0 is
+// __syncthreads'), which the other warps of the CTA never wait on.
+template <int kId, int kThreadCount>
+__device__ __forceinline__ void named_barrier_sync() {
+  asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreadCount) : "memory");
+}
+
+}  // namespace jax_kimi_mla
