@@ -902,6 +902,21 @@ __device__ __forceinline__ void pv_accumulate(const Lane& t, const uint32_t (&p)
 // tile per CTA) that took as long as the tile (2.3 us).
 constexpr int kStagingStride = kLatent + 8;  // floats per staged row (float2 writes of 8 rows: 2-way)
 
+// Output columns [col, col + 8) of query row r of sequence b, from 8 staged floats (16-byte
+// aligned): to out in its dtype (one split) or to this CTA's split partial.
+__device__ __forceinline__ void store_out_piece(const DecodeAttention& a, int64_t b, int64_t r, int col,
+                                                const float* staged) {
+  const float4 lo = *reinterpret_cast<const float4*>(staged);
+  const float4 hi = *reinterpret_cast<const float4*>(staged + 4);
+  if (a.num_splits == 1) {
+    const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    store16(static_cast<uint16_t*>(a.out) + (b * a.rows() + r) * kLatent + col, narrow8(a.act == ActType::kBF16, v));
+  } else {
+    float4* part = reinterpret_cast<float4*>(a.partial(int(blockIdx.x), b, r) + col);
+    part[0] = lo, part[1] = hi;
+  }
+}
+
 __device__ __forceinline__ void write_rows(const DecodeAttention& a, const Work& w, const Lane& t,
                                            const Scales& scales, const RowStats& stats,
                                            const float (&out)[kOutBlocks][4], float* staging) {
@@ -930,15 +945,7 @@ __device__ __forceinline__ void write_rows(const DecodeAttention& a, const Work&
     const int row = i / kPieces, col = 8 * (i % kPieces);
     const int64_t r = w.row0 + row;
     if (r >= rows) break;  // padding rows are last
-    const float4 lo = *reinterpret_cast<const float4*>(staging + row * kStagingStride + col);
-    const float4 hi = *reinterpret_cast<const float4*>(staging + row * kStagingStride + col + 4);
-    if (a.num_splits == 1) {
-      const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-      store16(static_cast<uint16_t*>(a.out) + (w.b * rows + r) * kLatent + col, narrow8(a.act == ActType::kBF16, v));
-    } else {
-      float4* part = reinterpret_cast<float4*>(a.partial(int(blockIdx.x), w.b, r) + col);
-      part[0] = lo, part[1] = hi;
-    }
+    store_out_piece(a, w.b, r, col, staging + row * kStagingStride + col);
   }
 }
 
@@ -1250,7 +1257,7 @@ constexpr int kWgStagedChunks = 4;  // the last tile's chunks the output rows ar
 template <CacheFormat kFormat>
 struct WgLayout {
   static_assert(kFormat != CacheFormat::kBf16, "the 1-byte formats");
-  static constexpr int kEntryBytes = kFormat == CacheFormat::kFp8 ? kEntry : kDsMlaEntryBytes;
+  static constexpr int kEntryBytes = Layout<kFormat>::kEntryBytes;
   static constexpr int kRawTileBytes = kTileTokens * kEntryBytes;
   static constexpr int kRing = 0;                                     // [kWgSlots][64 rows][128 B]
   static constexpr int kQ = kRing + kWgSlots * kChunkBytes;           // [9 chunks][16 rows][128 B]
@@ -1680,15 +1687,7 @@ __device__ void wg_consume(const DecodeAttention& a, uint8_t* smem, const Scales
       const int row = p / (kLatent / 8), col = 8 * (p % (kLatent / 8));
       const int64_t r = w.row0 + row;
       if (r >= rows) break;  // padding rows are last
-      const float4 lo = *reinterpret_cast<const float4*>(staged_row(row) + col);
-      const float4 hi = *reinterpret_cast<const float4*>(staged_row(row) + col + 4);
-      if (a.num_splits == 1) {
-        const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-        store16(static_cast<uint16_t*>(a.out) + (w.b * rows + r) * kLatent + col, narrow8(a.act == ActType::kBF16, v));
-      } else {
-        float4* part = reinterpret_cast<float4*>(a.partial(int(blockIdx.x), w.b, r) + col);
-        part[0] = lo, part[1] = hi;
-      }
+      store_out_piece(a, w.b, r, col, staged_row(row) + col);
     }
     wg_consumer_sync();  // the staging chunks are read: back to the converter
 #pragma unroll
