@@ -91,6 +91,13 @@ def copy_ceiling(nbytes: int) -> tuple[float, Timing]:
     return 2 * nbytes / timing.seconds, timing
 
 
+def empty_kernel_time() -> Timing:
+    """One kernel that does nearly nothing (a one-element add, its buffer donated), timed as the ops
+    are: the floor under the small decode calls' device time."""
+    step = jax.jit(lambda x: (x + 1,), donate_argnums=0)
+    return measure(step, [jnp.zeros((1,), jnp.int32)], {0: 0})
+
+
 def cache_size_check(cache_bytes: tuple[int, ...]) -> list[dict]:
     """One op at one shape with caches of different sizes: donation makes the size irrelevant."""
     name, tokens, heads = CACHE_CASE
@@ -228,6 +235,51 @@ def target_lines(rows: list[dict], cache_rows: list[dict], dispatch_rows: list[d
     return lines
 
 
+# Issue 12's targets: (label, predicate on a row, the lowest BW fraction or the largest time).
+ISSUE12_BW_TARGETS = (
+    ("prefill fp8 q/k/v + RoPE, H = 96, T >= 8192", 0.90,
+     lambda r: r["variant"] == "prefill_fp8_rope" and r["heads"] == 96 and r["tokens"] >= 8192),
+    ("prefill fp8 RoPE, H = 12, T >= 8192", 0.85,
+     lambda r: r["variant"] == "prefill_fp8_rope" and r["heads"] == 12 and r["tokens"] >= 8192),
+    ("decode fp8 RoPE, H = 96, B >= 1024", 0.92,
+     lambda r: r["variant"] == "decode_fp8_rope" and r["heads"] == 96 and r["tokens"] >= 1024),
+    ("prefill bf16/ds_mla RoPE, H = 96, T >= 8192", 0.92,
+     lambda r: r["variant"] in ("prefill_bf16_rope", "prefill_fp8_ds_mla_rope") and r["heads"] == 96
+     and r["tokens"] >= 8192),
+    ("prefill, H = 12, T = 8192: bf16 and ds_mla (NoPE and RoPE), fp8 NoPE", 0.90,
+     lambda r: r["variant"] in ("prefill_bf16_nope", "prefill_bf16_rope", "prefill_fp8_ds_mla_nope",
+                                "prefill_fp8_ds_mla_rope", "prefill_fp8_nope")
+     and r["heads"] == 12 and r["tokens"] == 8192),
+)
+ISSUE12_SMALL_DECODE_US = {False: 1.25, True: 1.4}  # NoPE, RoPE: decode B <= 64, H = 12
+
+
+def issue12_lines(rows: list[dict], empty_us: float) -> list[str]:
+    """Issue 12's targets, judged from this run's rows."""
+    ok = [r for r in rows if not r["error"]]
+    lines = ["## Against the targets (issue 12), from this run", "",
+             "| path | target | status | measured |", "|---|---|---|---|"]
+    for label, least, wanted in ISSUE12_BW_TARGETS:
+        points = [r for r in ok if wanted(r)]
+        if not points:
+            lines.append(f"| {label} | >= {100 * least:.0f}% | not measured | - |")
+            continue
+        met = all(r["ffi_bw_fraction"] >= least for r in points)
+        lines.append(f"| {label} | >= {100 * least:.0f}% | {'met' if met else '**not met**'} | "
+                     f"{_span([r['ffi_bw_fraction'] for r in points])} |")
+    for rope, most in ISSUE12_SMALL_DECODE_US.items():
+        points = [r for r in ok if r["phase"] == "decode" and r["tokens"] <= 64 and r["heads"] == 12
+                  and bool(r["rope"]) == rope]
+        label = f"decode B <= 64, H = 12, every format, {'RoPE' if rope else 'NoPE'}"
+        if not points:
+            lines.append(f"| {label} | <= {most} us | not measured | - |")
+            continue
+        met = all(r["ffi_us"] <= most for r in points)
+        lines.append(f"| {label} | <= {most} us | {'met' if met else '**not met**'} | "
+                     f"{_span([r['ffi_us'] for r in points], '{:.2f} us', 1)} (an empty kernel: {empty_us:.2f} us) |")
+    return lines + [""]
+
+
 def write_markdown(path: Path, meta: dict, cache_rows: list[dict], dispatch_rows: list[dict], rows: list[dict],
                    skipped: list[str]) -> None:
     lines = [
@@ -242,6 +294,7 @@ def write_markdown(path: Path, meta: dict, cache_rows: list[dict], dispatch_rows
         "  ceiling reached. Both ops run under jax.jit with the cache donated (with RoPE in prefill, q too).",
         "",
         *(target_lines(rows, cache_rows, dispatch_rows) if meta["device_timed"] else []),
+        *(issue12_lines(rows, meta["empty_us"]) if meta["device_timed"] else []),
         "## Cache-size independence",
         "",
         f"{CACHE_CASE[0]}, B={CACHE_CASE[1]}, H={CACHE_CASE[2]}: with donation, a call touches only the rows it writes.",
@@ -332,6 +385,8 @@ def main(argv=None) -> int:
     copy_bytes = QUICK_COPY_BYTES if opts.quick else COPY_BYTES
     ceiling, copy_timing = copy_ceiling(copy_bytes)
     print(f"copy ceiling: {ceiling / 1e9:.1f} GB/s ({copy_bytes >> 20} MiB jnp.copy, {copy_timing.source} time)", flush=True)
+    empty = empty_kernel_time()
+    print(f"an empty kernel: {empty.seconds * 1e6:.2f} us ({empty.source} time)", flush=True)
     print("cache-size independence:", flush=True)
     cache_rows = cache_size_check(QUICK_CACHE_BYTES if opts.quick else CACHE_BYTES)
     print("host time per call:", flush=True)
@@ -368,7 +423,7 @@ def main(argv=None) -> int:
     meta = dict(
         date=datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         device=f"{device.device_kind} ({device.platform})",
-        ceiling=ceiling, copy_mib=copy_bytes >> 20, device_timed=device_timed,
+        ceiling=ceiling, copy_mib=copy_bytes >> 20, device_timed=device_timed, empty_us=empty.seconds * 1e6,
         time_note=("device time, the median over the profiled calls of the summed kernel durations of one call"
                    if device_timed else
                    f"source {', '.join(sorted(sources)) or '-'}: 'wall' is wall clock per call (median, each call "

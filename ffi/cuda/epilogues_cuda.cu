@@ -1,14 +1,17 @@
-// CUDA handlers: one launch per call. A lane is one 8-element chunk of one output row; a token's
-// lanes are [72 cache-entry lanes | head row 0 of every head | head row 1 of every head | ...].
-// A block covers lanes of one token, so its slot, position and cos/sin row are block-wide. The
-// kernel is compiled per op, RoPE off / GPT-J / NeoX and activation dtype, so each lane's place
-// is constant arithmetic. With NeoX, pe lane j < 4 of a row owns pe chunks j and j + 4 (its
-// pairs' two halves: it loads both, then stores both, so a row rotated in place is never read
-// after another thread wrote it); lanes j >= 4 are idle. Each thread owns kLanesPerThread lanes
-// and runs in three phases: all loads, then the cos/sin row into shared memory, then the
-// arithmetic and stores, so no load waits on another lane's work. The 16 lanes of a ds_mla
-// scale tile are one half warp (threads 0..63 of a token's first block) and reduce their amax
-// by shuffles.
+// CUDA handlers: one launch per call. A lane is one 8-element chunk of one output row (a pe
+// lane with NeoX RoPE: two, below). A token's lanes fall into parts: the cache entry (its 64
+// latent lanes, then its pe lanes), then for each head row the nope lanes of every head and the pe
+// lanes of every head (without RoPE, the row's lanes of every head: one part). A block covers lanes of one part of one token, so what kind of chunk its
+// lanes are, where the token's rows start, and whether it needs the slot or the position are
+// block-wide: a lane only finds its head and chunk (constant divisors) and adds their offsets,
+// and only the blocks that rotate run the RoPE arithmetic. The kernel is compiled per op, RoPE
+// off / GPT-J / NeoX and activation dtype. With NeoX, pe lane j (0..3) of a row owns pe chunks j
+// and j + 4 (its pairs' two halves: it loads both, then stores both, so a row rotated in place is
+// never read after another thread wrote it). Each thread owns kLanesPerThread lanes and runs in
+// two phases, all loads, then the arithmetic and stores; a pe lane loads its own slice of the
+// token's cos/sin row (after the position), so no lane waits for another and the kernel has no
+// block-wide barrier. The 16 lanes of a ds_mla scale tile are one half warp (threads 0..63 of the
+// cache part's block) and reduce their amax by shuffles.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -19,7 +22,7 @@ namespace jax_kimi_mla {
 namespace {
 
 constexpr int kMaxThreads = 256;
-constexpr int kLanesPerThread = 2;
+constexpr int kLanesPerThread = 2;  // in most parts (Parts::lanes_per_thread)
 constexpr int64_t kMaxGridY = 65535;
 
 // Where one lane reads and writes. dst is null when nothing is stored (a skipped slot); for a
@@ -27,26 +30,55 @@ constexpr int64_t kMaxGridY = 65535;
 struct Lane {
   const uint16_t* src = nullptr;  // null: no lane here
   void* dst = nullptr;
-  bool in_cache = false;  // a lane of the cache entry, not of a head row
   int chunk = 0;  // the chunk within its row
-  int pe = -1;    // the pe chunk index (0..7), or -1 for a nope chunk
-  const float* scale_inv = nullptr;  // set when the row is stored as E4M3
+  int pe = -1;    // the pe chunk index (0..7); negative for a nope chunk
   // NeoX RoPE: the lane's second chunk, pe chunk pe + 4 of the same row, and where it goes.
   const uint16_t* partner = nullptr;
   void* partner_dst = nullptr;
 };
 
-// NeoX RoPE: pe lane j < 4 takes pe chunk j + 4 too (a row's pe chunks are contiguous in its
-// source and in its output: `byte_dst` says whether the output holds 1-byte elements); lane
-// j >= 4 has nothing left to do.
+// The lanes of a row's pe chunks: with NeoX RoPE a lane owns chunks j and j + 4.
+template <bool kRopeOn, RopeStyle kStyle>
+JKM_HD constexpr int pe_lanes(int pe_chunks) {
+  return kRopeOn && kStyle == RopeStyle::kNeox ? pe_chunks / 2 : pe_chunks;
+}
+
+// Part 0 is the cache entry; part 1 + 2r holds the nope lanes of head row r, part 2 + 2r its pe
+// lanes (a row without nope or pe chunks has an empty part). Without RoPE nothing tells a pe
+// chunk from a nope chunk, so part 1 + 2r holds the whole row (its chunks in order) and part
+// 2 + 2r is empty: fewer, fuller blocks.
+template <Op op, bool kRopeOn, RopeStyle kStyle>
+struct Parts {
+  static constexpr int kCount = 1 + 2 * op_shape(op, kRopeOn).num_rows;
+  static constexpr int kCacheLanes = kLatent / kChunk + pe_lanes<kRopeOn, kStyle>(kRopeChunks);
+  // Lanes per thread: one in the cache part (its block has at least kCacheLanes threads, and the
+  // ds_mla quantization's registers are one lane's) and in a NeoX pe part (whose lanes own two
+  // chunks each already).
+  static JKM_HD constexpr int lanes_per_thread(int p) {
+    const bool neox_pe = kRopeOn && kStyle == RopeStyle::kNeox && p > 0 && pe_only(p);
+    return p == 0 || neox_pe ? 1 : kLanesPerThread;
+  }
+  // Whether head-row part p (p >= 1) holds pe lanes only.
+  static JKM_HD constexpr bool pe_only(int p) { return (p - 1) % 2 == 1; }
+  // Lanes per head of head-row part p.
+  static JKM_HD constexpr int per_head(int p) {
+    const RowShape r = op_shape(op, kRopeOn).rows[(p - 1) / 2];
+    if (!kRopeOn) return pe_only(p) ? 0 : r.chunks();
+    return pe_only(p) ? pe_lanes<kRopeOn, kStyle>(r.pe_chunks) : r.nope_chunks;
+  }
+  static JKM_HD constexpr int64_t lanes(int p, int64_t heads) { return p == 0 ? kCacheLanes : heads * per_head(p); }
+  static JKM_HD constexpr int64_t blocks(int p, int64_t heads, int64_t threads) {
+    const int64_t block_lanes = threads * lanes_per_thread(p);
+    return (lanes(p, heads) + block_lanes - 1) / block_lanes;
+  }
+};
+
+// NeoX RoPE: pe lane j takes pe chunk j + 4 too (a row's pe chunks are contiguous in its source
+// and in its output: `byte_dst` says whether the output holds 1-byte elements).
 template <bool kRopeOn, RopeStyle kStyle>
 __device__ __forceinline__ void locate_partner(Lane& l, bool byte_dst) {
   if constexpr (kRopeOn && kStyle == RopeStyle::kNeox) {
     if (l.pe < 0) return;
-    if (l.pe >= kNeoxPartnerChunk) {
-      l.src = nullptr, l.dst = nullptr;
-      return;
-    }
     constexpr int kAhead = kNeoxPartnerChunk * kChunk;  // elements
     l.partner = l.src + kAhead;
     if (l.dst != nullptr)
@@ -55,110 +87,103 @@ __device__ __forceinline__ void locate_partner(Lane& l, bool byte_dst) {
   }
 }
 
-// Lane `rest` of head rows r, r + 1, ...: row r holds heads x chunks lanes. Recursion over r
-// keeps each row's shape a compile-time constant.
-template <Op op, bool kRopeOn, RopeStyle kStyle, int r>
-__device__ __forceinline__ void locate_in_head_row(const Epilogue& e, int64_t t, int rest, Lane& l) {
-  if constexpr (r < op_shape(op, kRopeOn).num_rows) {
-    constexpr RowShape shape = op_shape(op, kRopeOn).rows[r];
-    const int row_lanes = int(e.heads) * shape.chunks();
-    if (rest >= row_lanes)
-      return locate_in_head_row<op, kRopeOn, kStyle, r + 1>(e, t, rest - row_lanes, l);
-    const RowSpec& spec = e.head_rows[r];
-    const int h = rest / shape.chunks(), c = rest - h * shape.chunks();
-    l.chunk = c;
-    l.pe = c - shape.nope_chunks;
-    // chunk_src and chunk_dst, with the nope/pe split and the output width known at compile time.
-    l.src = l.pe < 0 ? spec.nope + chunk_elem(t, spec.nope_t, h, spec.nope_h, c)
-                     : spec.pe + chunk_elem(t, spec.pe_t, h, spec.pe_h, l.pe);
-    const int64_t out = chunk_elem(t, spec.out_t, h, spec.out_h, c);
-    l.dst = shape.fp8 ? static_cast<void*>(static_cast<uint8_t*>(spec.out) + out)
-                      : static_cast<void*>(static_cast<uint16_t*>(spec.out) + out);
-    if (shape.fp8) l.scale_inv = spec.scale_inv;
-    locate_partner<kRopeOn, kStyle>(l, shape.fp8);
-  }
-}
-
+// Lane `lane` of the cache part of token t (slot_row: its cache row, or -1).
 template <Op op, bool kRopeOn, RopeStyle kStyle>
-__device__ __forceinline__ Lane locate(const Epilogue& e, int64_t t, int64_t slot_row, int lane) {
-  constexpr OpShape shape = op_shape(op, kRopeOn);
+__device__ __forceinline__ Lane locate_in_cache(const Epilogue& e, int64_t t, int64_t slot_row, int lane) {
+  constexpr CacheFormat kCache = op_shape(op, kRopeOn).cache;
   Lane l;
-  if (lane < kCacheChunks) {
-    l.in_cache = true;
-    l.chunk = lane;
-    l.src = chunk_src(e.cache, t, 0, lane);
-    l.pe = lane - kLatent / kChunk;
-    if (shape.cache == CacheFormat::kFp8) l.scale_inv = e.cache.scale_inv;
-    if (slot_row >= 0)
-      l.dst = shape.cache == CacheFormat::kFp8DsMla ? static_cast<void*>(ds_mla_entry(e, slot_row))
-                                                 : chunk_dst(e.cache, slot_row, 0, lane);
-    // A ds_mla lane's dst is its entry: the second pe chunk's place follows from it.
-    locate_partner<kRopeOn, kStyle>(l, shape.cache == CacheFormat::kFp8);
-    return l;
-  }
-  locate_in_head_row<op, kRopeOn, kStyle, 0>(e, t, lane - kCacheChunks, l);
+  l.chunk = lane;
+  l.src = chunk_src(e.cache, t, 0, lane);
+  l.pe = lane - kLatent / kChunk;
+  if (slot_row >= 0)
+    l.dst = kCache == CacheFormat::kFp8DsMla ? static_cast<void*>(ds_mla_entry(e, slot_row))
+                                             : chunk_dst(e.cache, slot_row, 0, lane);
+  // A ds_mla lane's dst is its entry: the second pe chunk's place follows from it.
+  locate_partner<kRopeOn, kStyle>(l, kCache == CacheFormat::kFp8);
   return l;
 }
 
-// Block (x, y, z) covers lanes [x * kLanesPerThread * blockDim.x, ...) of token y + z * gridDim.y;
-// thread i takes lanes i, i + blockDim.x, ... of that range.
-template <Op op, bool kRopeOn, RopeStyle kStyle, ActType kAct>
-__global__ void __launch_bounds__(kMaxThreads) epilogue_kernel(const Epilogue e, int lanes_per_token) {
-  constexpr OpShape shape = op_shape(op, kRopeOn);
-  const int64_t t = int64_t(blockIdx.z) * gridDim.y + blockIdx.y;
-  if (t >= e.tokens) return;
-  const int first = blockIdx.x * blockDim.x * kLanesPerThread + threadIdx.x;
+// Lane `lane` of head-row part p of token t: head lane / per_head, and its chunk.
+template <Op op, bool kRopeOn, RopeStyle kStyle, int p>
+__device__ __forceinline__ Lane locate_in_head_row(const Epilogue& e, int64_t t, int lane) {
+  using P = Parts<op, kRopeOn, kStyle>;
+  constexpr int r = (p - 1) / 2, kPerHead = P::per_head(p);
+  constexpr bool kPe = P::pe_only(p);
+  constexpr RowShape shape = op_shape(op, kRopeOn).rows[r];
+  const RowSpec& spec = e.head_rows[r];
+  const int h = lane / kPerHead, j = lane - h * kPerHead;
+  Lane l;
+  l.chunk = kPe ? shape.nope_chunks + j : j;
+  // A nope chunk's pe is negative; with RoPE a part holds nope or pe chunks only, and says which
+  // at compile time.
+  l.pe = kPe ? j : kRopeOn ? -1 : l.chunk - shape.nope_chunks;
+  l.src = l.pe >= 0 ? spec.pe + chunk_elem(t, spec.pe_t, h, spec.pe_h, l.pe)
+                    : spec.nope + chunk_elem(t, spec.nope_t, h, spec.nope_h, l.chunk);
+  const int64_t out = chunk_elem(t, spec.out_t, h, spec.out_h, l.chunk);
+  l.dst = shape.fp8 ? static_cast<void*>(static_cast<uint8_t*>(spec.out) + out)
+                    : static_cast<void*>(static_cast<uint16_t*>(spec.out) + out);
+  locate_partner<kRopeOn, kStyle>(l, shape.fp8);
+  return l;
+}
 
-  // Phase 1: every load. The position is read first (the cos/sin row waits on it), the slot
-  // alongside the inputs it addresses.
-  const float* rope_src = nullptr;
-  if constexpr (kRopeOn)
-    if (threadIdx.x < kRope / 4) rope_src = e.rope_row(t);
-  const int64_t slot_row = blockIdx.x == 0 ? e.cache_row(t) : -1;
-  Lane lanes[kLanesPerThread];
-  Raw16 raw[kLanesPerThread];
-  Raw16 partner[kLanesPerThread];  // NeoX only
-  float mult[kLanesPerThread] = {};
+// Part p's lanes [seg * blockDim.x * lanes_per_thread(p), ...) of token t; thread i takes lanes
+// i, i + blockDim.x, ... of that range.
+template <Op op, bool kRopeOn, RopeStyle kStyle, ActType kAct, int p>
+__device__ __forceinline__ void run_part(const Epilogue& e, int64_t t, int seg, int part_lanes) {
+  constexpr OpShape shape = op_shape(op, kRopeOn);
+  constexpr bool kCachePart = p == 0;
+  constexpr bool kDsMla = kCachePart && shape.cache == CacheFormat::kFp8DsMla;
+  // Whether the part's rows are stored as E4M3 (plain fp8), then with which scale.
+  constexpr bool kFp8 = kCachePart ? shape.cache == CacheFormat::kFp8 : shape.rows[(p - 1) / 2].fp8;
+  const float* scale_inv = kCachePart ? e.cache.scale_inv : e.head_rows[(p - 1) / 2].scale_inv;
+  // Phase 1: every load: the slot (cache part) alongside the inputs it addresses, the scale, and
+  // the position when a lane rotates.
+  constexpr int kLanes = Parts<op, kRopeOn, kStyle>::lanes_per_thread(p);
+  const int64_t slot_row = kCachePart ? e.cache_row(t) : -1;
+  const int first = seg * int(blockDim.x) * kLanes + int(threadIdx.x);
+  Lane lanes[kLanes];
+  Raw16 raw[kLanes];
+  Raw16 partner[kLanes];  // NeoX only
+  bool rotates = false;
 #pragma unroll
-  for (int k = 0; k < kLanesPerThread; ++k) {
+  for (int k = 0; k < kLanes; ++k) {
     const int lane = first + k * int(blockDim.x);
-    if (lane < lanes_per_token) lanes[k] = locate<op, kRopeOn, kStyle>(e, t, slot_row, lane);
-    if (lanes[k].src == nullptr) continue;
+    if (lane >= part_lanes) continue;
+    if constexpr (kCachePart)
+      lanes[k] = locate_in_cache<op, kRopeOn, kStyle>(e, t, slot_row, lane);
+    else
+      lanes[k] = locate_in_head_row<op, kRopeOn, kStyle, p>(e, t, lane);
     raw[k] = load16(lanes[k].src);
     if constexpr (kRopeOn && kStyle == RopeStyle::kNeox)
       if (lanes[k].partner != nullptr) partner[k] = load16(lanes[k].partner);
-    if (lanes[k].scale_inv != nullptr) mult[k] = __ldg(lanes[k].scale_inv);
+    rotates |= kRopeOn && lanes[k].pe >= 0;
   }
+  const float mult = kFp8 && lanes[0].src != nullptr ? __ldg(scale_inv) : 0.0f;
+  const float* rope_row = rotates ? e.rope_row(t) : nullptr;
 
-  // Phase 2: the token's cos/sin row, once per block.
-  __shared__ float4 rope_row4[kRope / 4];
-  const float* rope_row = reinterpret_cast<const float*>(rope_row4);
-  if constexpr (kRopeOn) {
-    if (rope_src != nullptr)
-      rope_row4[threadIdx.x] = __ldg(reinterpret_cast<const float4*>(rope_src) + threadIdx.x);
-    __syncthreads();
-  }
-
-  // Phase 3: arithmetic and stores.
+  // Phase 2: arithmetic and stores, a pe lane's slice of the cos/sin row loaded first (loaded
+  // in phase 1, the slices of two lanes would hold registers that cost occupancy).
 #pragma unroll
-  for (int k = 0; k < kLanesPerThread; ++k) {
+  for (int k = 0; k < kLanes; ++k) {
     const Lane& l = lanes[k];
     if (l.src == nullptr) continue;
-    const float* rotate_by = kRopeOn && l.pe >= 0 ? rope_row : nullptr;
+    const bool rotate = kRopeOn && l.pe >= 0;
+    RopeSlice slice;
+    if (rotate) slice = rope_slice(kStyle, rope_row, l.pe);
     constexpr bool kPairs = kRopeOn && kStyle == RopeStyle::kNeox;  // pe lanes own two chunks
-    if (shape.cache == CacheFormat::kFp8DsMla && l.in_cache) {
+    if constexpr (kDsMla) {
       auto* entry = static_cast<uint8_t*>(l.dst);
       if (l.pe >= 0) {
-        const Raw16 out = finish_ds_mla_pe(kAct, raw[k], rotate_by, kStyle, partner[k], l.pe);
+        const Raw16 out = finish_ds_mla_pe(kAct, raw[k], rotate, slice, kStyle, partner[k], l.pe);
         if (entry != nullptr) store16(ds_mla_pe_dst(entry, l.pe), out);
         if constexpr (kPairs) {
-          const Raw16 out2 = finish_ds_mla_pe(kAct, partner[k], rotate_by, kStyle, raw[k],
+          const Raw16 out2 = finish_ds_mla_pe(kAct, partner[k], rotate, slice, kStyle, raw[k],
                                               l.pe + kNeoxPartnerChunk);
           if (entry != nullptr) store16(ds_mla_pe_dst(entry, l.pe + kNeoxPartnerChunk), out2);
         }
         continue;
       }
-      // Latent lanes 0..63 are threads 0..63 of block x = 0 at k = 0: whole half warps.
+      // Latent lanes 0..63 are threads 0..63: whole half warps.
       float v[kChunk];
       widen8(kAct, raw[k], v);
       float amax = 0.0f;
@@ -172,16 +197,38 @@ __global__ void __launch_bounds__(kMaxThreads) epilogue_kernel(const Epilogue e,
       if (l.chunk % kTileChunks == 0) store_ds_mla_scale(entry, l.chunk / kTileChunks, s);
       continue;
     }
-    const bool fp8 = l.scale_inv != nullptr;
-    const Raw16 out = finish_chunk(kAct, raw[k], rotate_by, kStyle, partner[k], l.pe, fp8, mult[k]);
-    if (l.dst != nullptr) store_chunk(l.dst, out, fp8);
+    const Raw16 out = finish_chunk(kAct, raw[k], rotate, slice, kStyle, partner[k], l.pe, kFp8, mult);
+    if (l.dst != nullptr) store_chunk(l.dst, out, kFp8);
     if constexpr (kPairs) {
       if (l.partner == nullptr) continue;
-      const Raw16 out2 = finish_chunk(kAct, partner[k], rotate_by, kStyle, raw[k],
-                                      l.pe + kNeoxPartnerChunk, fp8, mult[k]);
-      if (l.partner_dst != nullptr) store_chunk(l.partner_dst, out2, fp8);
+      const Raw16 out2 = finish_chunk(kAct, partner[k], rotate, slice, kStyle, raw[k],
+                                      l.pe + kNeoxPartnerChunk, kFp8, mult);
+      if (l.partner_dst != nullptr) store_chunk(l.partner_dst, out2, kFp8);
     }
   }
+}
+
+// Block x of token t's blocks (the parts in order, each in blocks of blockDim.x *
+// lanes_per_thread(p) lanes): the part it covers, found in block-wide arithmetic, then that
+// part's code.
+template <Op op, bool kRopeOn, RopeStyle kStyle, ActType kAct, int p = 0>
+__device__ __forceinline__ void dispatch_part(const Epilogue& e, int64_t t, int block) {
+  using P = Parts<op, kRopeOn, kStyle>;
+  if constexpr (p > 0 && p < P::kCount && P::per_head(p) == 0) {  // an empty part
+    dispatch_part<op, kRopeOn, kStyle, kAct, p + 1>(e, t, block);
+  } else if constexpr (p < P::kCount) {
+    const int64_t blocks = P::blocks(p, e.heads, blockDim.x);
+    if (block >= blocks) return dispatch_part<op, kRopeOn, kStyle, kAct, p + 1>(e, t, int(block - blocks));
+    run_part<op, kRopeOn, kStyle, kAct, p>(e, t, block, int(P::lanes(p, e.heads)));
+  }
+}
+
+// Block (x, y, z): block x of token y + z * gridDim.y.
+template <Op op, bool kRopeOn, RopeStyle kStyle, ActType kAct>
+__global__ void __launch_bounds__(kMaxThreads) epilogue_kernel(const Epilogue e) {
+  const int64_t t = int64_t(blockIdx.z) * gridDim.y + blockIdx.y;
+  if (t >= e.tokens) return;
+  dispatch_part<op, kRopeOn, kStyle, kAct>(e, t, int(blockIdx.x));
 }
 
 ffi::Error cuda_error(const char* what, cudaError_t err) {
@@ -190,14 +237,26 @@ ffi::Error cuda_error(const char* what, cudaError_t err) {
 
 template <Op op, bool kRopeOn, RopeStyle kStyle, ActType kAct>
 ffi::Error launch(cudaStream_t stream, const Epilogue& e) {
-  const int64_t lanes = kCacheChunks + e.heads * op_shape(op, kRopeOn).head_chunks();
-  // At least 64 threads, so a ds_mla entry's 64 latent lanes are all first lanes of block 0.
-  const int64_t per_thread = (lanes + kLanesPerThread - 1) / kLanesPerThread;
-  const int threads = int(std::clamp<int64_t>((per_thread + 31) / 32 * 32, 64, kMaxThreads));
-  const int64_t tiles = (lanes + threads * kLanesPerThread - 1) / (threads * kLanesPerThread);
+  using P = Parts<op, kRopeOn, kStyle>;
+  // Threads per block: whole warps, at least the cache part's lanes (the cache entry is one
+  // block; a ds_mla entry's 64 latent lanes are its threads 0..63), and of those the count whose
+  // blocks leave the fewest lanes idle, each block also costing kBlockCost lanes (so that a part
+  // is not cut into needlessly small blocks).
+  constexpr int64_t kBlockCost = 64;
+  int threads = kMaxThreads;
+  int64_t blocks = 0, best = INT64_MAX;
+  for (int n = kMaxThreads; n >= (P::kCacheLanes + 31) / 32 * 32; n -= 32) {
+    int64_t count = 0, cost = 0;
+    for (int p = 0; p < P::kCount; ++p) {
+      const int64_t b = P::blocks(p, e.heads, n);
+      count += b;
+      cost += b * (n * P::lanes_per_thread(p) + kBlockCost) - P::lanes(p, e.heads);
+    }
+    if (cost < best) best = cost, threads = n, blocks = count;
+  }
   const int64_t grid_y = std::min(e.tokens, kMaxGridY);
   const int64_t grid_z = (e.tokens + grid_y - 1) / grid_y;
-  bool too_large = lanes > INT32_MAX || grid_z > kMaxGridY;
+  bool too_large = e.heads * kEntry > INT32_MAX || blocks > INT32_MAX || grid_z > kMaxGridY;
   for (int r = 0; r < e.num_head_rows; ++r) {  // TokenOffset is 32-bit on the GPU
     const RowSpec& spec = e.head_rows[r];
     for (int64_t stride : {spec.nope_h, spec.pe_h, spec.out_h})
@@ -208,7 +267,7 @@ ffi::Error launch(cudaStream_t stream, const Epilogue& e) {
   if (reinterpret_cast<uintptr_t>(e.cos_sin) % 16 != 0)  // read as float4 rows
     return ffi::Error::InvalidArgument("jax_kimi_mla: cos_sin_cache is not 16-byte aligned");
   epilogue_kernel<op, kRopeOn, kStyle, kAct>
-      <<<dim3(unsigned(tiles), unsigned(grid_y), unsigned(grid_z)), threads, 0, stream>>>(e, int(lanes));
+      <<<dim3(unsigned(blocks), unsigned(grid_y), unsigned(grid_z)), threads, 0, stream>>>(e);
   return ffi::Error::Success();
 }
 

@@ -119,29 +119,50 @@ JKM_HD void widen8(ActType act, const Raw16& raw, float v[kChunk]) {
     v[i] = act == ActType::kBF16 ? bf16_to_f32(half_word(raw, i)) : f16_to_f32(half_word(raw, i));
 }
 
-// Rotates pe chunk j (elements 8j..8j+7 of the rope part) by the cos/sin row of the token. GPT-J
-// pairs lie inside the chunk (pairs 4j..4j+3); a NeoX pair's other element is in pe chunk
+// The cos/sin values that pe chunk j (elements 8j..8j+7 of the rope part) is turned by, its first
+// pair first: GPT-J pairs 4j..4j+3 (inside the chunk), NeoX pairs 8(j % 4)..8(j % 4) + 7 (shared
+// by chunk j and its partner chunk j ^ kNeoxPartnerChunk). A kernel loads only these from the
+// token's cos/sin row, not the whole row.
+struct RopeSlice {
+  float cos[kChunk], sin[kChunk];  // GPT-J fills the first 4 of each
+};
+
+JKM_HD constexpr int rope_slice_pairs(RopeStyle style) { return style == RopeStyle::kGptj ? kChunk / 2 : kChunk; }
+
+// The slice of pe chunk j from the token's cos/sin row (cos of pairs 0..31, then their sin); on
+// the GPU in 16-byte loads (the row is 16-byte aligned, and so is each slice).
+JKM_HD RopeSlice rope_slice(RopeStyle style, const float* row, int j) {
+  RopeSlice r;
+  const int first = style == RopeStyle::kGptj ? j * (kChunk / 2) : (j % kNeoxPartnerChunk) * kChunk;
+  for (int i = 0; i < rope_slice_pairs(style); i += 4) {
+#if defined(__CUDA_ARCH__)
+    const float4 c = __ldg(reinterpret_cast<const float4*>(row + first + i));
+    const float4 s = __ldg(reinterpret_cast<const float4*>(row + kRope / 2 + first + i));
+    r.cos[i] = c.x, r.cos[i + 1] = c.y, r.cos[i + 2] = c.z, r.cos[i + 3] = c.w;
+    r.sin[i] = s.x, r.sin[i + 1] = s.y, r.sin[i + 2] = s.z, r.sin[i + 3] = s.w;
+#else
+    for (int k = i; k < i + 4; ++k) r.cos[k] = row[first + k], r.sin[k] = row[kRope / 2 + first + k];
+#endif
+  }
+  return r;
+}
+
+// Rotates pe chunk j by its slice. A NeoX pair's other element is in pe chunk
 // j ^ kNeoxPartnerChunk, whose values are `partner` (unused for GPT-J).
-JKM_HD void rope8(RopeStyle style, const float* rope_row, int j, float v[kChunk],
-                  const float partner[kChunk]) {
+JKM_HD void rope8(RopeStyle style, const RopeSlice& r, int j, float v[kChunk], const float partner[kChunk]) {
   if (style == RopeStyle::kGptj) {
-    for (int i = 0; i < kChunk / 2; ++i) {
-      int pair = j * (kChunk / 2) + i;
-      rope_pair(v[2 * i], v[2 * i + 1], rope_row[pair], rope_row[kRope / 2 + pair], v[2 * i],
-                v[2 * i + 1]);
-    }
+    for (int i = 0; i < kChunk / 2; ++i) rope_pair(v[2 * i], v[2 * i + 1], r.cos[i], r.sin[i], v[2 * i], v[2 * i + 1]);
     return;
   }
-  for (int i = 0; i < kChunk; ++i)
-    v[i] = rope_element(style, j * kChunk + i, v[i], partner[i], rope_row);
+  for (int i = 0; i < kChunk; ++i) v[i] = rope_element(style, j * kChunk + i, v[i], partner[i], r.cos[i], r.sin[i]);
 }
 
 // rope8 on raw chunks: the partner chunk is widened only for NeoX.
-JKM_HD void rope8_raw(ActType act, RopeStyle style, const float* rope_row, int j, float v[kChunk],
+JKM_HD void rope8_raw(ActType act, RopeStyle style, const RopeSlice& r, int j, float v[kChunk],
                       const Raw16& partner) {
   float p[kChunk];
   if (style == RopeStyle::kNeox) widen8(act, partner, p);
-  rope8(style, rope_row, j, v, p);
+  rope8(style, r, j, v, p);
 }
 
 JKM_HD Raw16 narrow8(bool to_bf16, const float v[kChunk]) {
@@ -178,10 +199,12 @@ JKM_HD const uint16_t* chunk_src(const RowSpec& r, int64_t t, int64_t h, int c) 
   return r.pe + chunk_elem(t, r.pe_t, h, r.pe_h, c - r.nope_chunks);
 }
 
-// The cos/sin row that chunk c of row r is rotated by: null for nope chunks and without RoPE,
-// so only pe chunks load the token's position.
-JKM_HD const float* chunk_rotation(const Epilogue& e, const RowSpec& r, int64_t t, int c) {
-  return c < r.nope_chunks ? nullptr : e.rope_row(t);
+// Whether chunk c of row r is rotated (a pe chunk, with RoPE), and then its slice, so that only
+// pe chunks load the token's position.
+JKM_HD bool chunk_rotation(const Epilogue& e, const RowSpec& r, int64_t t, int c, RopeSlice& slice) {
+  if (c < r.nope_chunks || e.cos_sin == nullptr) return false;
+  slice = rope_slice(e.rope_style, e.rope_row(t), c - r.nope_chunks);
+  return true;
 }
 
 // The chunk that chunk c's RoPE partners are in: pe chunk j ^ kNeoxPartnerChunk with NeoX RoPE,
@@ -191,18 +214,18 @@ JKM_HD int partner_chunk(const Epilogue& e, const RowSpec& r, int c) {
   return r.nope_chunks + ((c - r.nope_chunks) ^ kNeoxPartnerChunk);
 }
 
-// A loaded chunk made into its output: rotated as pe chunk j by `rotate_by` (a cos/sin row) when
-// that is set (in `style`; `partner`: the loaded partner chunk for NeoX), then narrowed back to
+// A loaded chunk made into its output: rotated as pe chunk j by `slice` when `rotate` is
+// set (in `style`; `partner`: the loaded partner chunk for NeoX), then narrowed back to
 // the activation dtype (16 bytes), or quantized to E4M3 as Q(v * mult) when `quantize` is set
 // (the first 8 bytes). Chunks that nothing changes are the input bits themselves. Loading and
 // finishing are separate so that a kernel can issue all its loads before it computes or stores
 // anything.
-JKM_HD Raw16 finish_chunk(ActType act, const Raw16& raw, const float* rotate_by, RopeStyle style,
+JKM_HD Raw16 finish_chunk(ActType act, const Raw16& raw, bool rotate, const RopeSlice& slice, RopeStyle style,
                           const Raw16& partner, int j, bool quantize, float mult) {
-  if (rotate_by == nullptr && !quantize) return raw;
+  if (!rotate && !quantize) return raw;
   float v[kChunk];
   widen8(act, raw, v);
-  if (rotate_by != nullptr) rope8_raw(act, style, rotate_by, j, v, partner);
+  if (rotate) rope8_raw(act, style, slice, j, v, partner);
   if (!quantize) return narrow8(act == ActType::kBF16, v);
   Raw16 codes{};
   e4m3x8(v, mult, codes.w);
@@ -213,8 +236,9 @@ JKM_HD Raw16 finish_chunk(ActType act, const Raw16& raw, const float* rotate_by,
 JKM_HD void chunk_values(const Epilogue& e, const RowSpec& r, int64_t t, int64_t h, int c,
                          float v[kChunk]) {
   widen8(e.act, load16(chunk_src(r, t, h, c)), v);
-  if (const float* rotate_by = chunk_rotation(e, r, t, c))
-    rope8_raw(e.act, e.rope_style, rotate_by, c - r.nope_chunks, v,
+  RopeSlice slice;
+  if (chunk_rotation(e, r, t, c, slice))
+    rope8_raw(e.act, e.rope_style, slice, c - r.nope_chunks, v,
               load16(chunk_src(r, t, h, partner_chunk(e, r, c))));
 }
 
@@ -222,7 +246,9 @@ JKM_HD void chunk_values(const Epilogue& e, const RowSpec& r, int64_t t, int64_t
 JKM_HD Raw16 make_chunk(const Epilogue& e, const RowSpec& r, int64_t t, int64_t h, int c) {
   const int p = partner_chunk(e, r, c);
   const Raw16 raw = load16(chunk_src(r, t, h, c));
-  return finish_chunk(e.act, raw, chunk_rotation(e, r, t, c), e.rope_style,
+  RopeSlice slice;
+  const bool rotate = chunk_rotation(e, r, t, c, slice);
+  return finish_chunk(e.act, raw, rotate, slice, e.rope_style,
                       p == c ? raw : load16(chunk_src(r, t, h, p)), c - r.nope_chunks,
                       r.scale_inv != nullptr, r.scale_inv != nullptr ? *r.scale_inv : 0.0f);
 }
@@ -261,19 +287,21 @@ JKM_HD void store_ds_mla_scale(uint8_t* entry, int tile, float s) {
 
 // pe chunk j (0..7) of the entry from its loaded input: bfloat16 from the float32 value, or the
 // bf16 bits themselves when nothing changes them.
-JKM_HD Raw16 finish_ds_mla_pe(ActType act, const Raw16& raw, const float* rotate_by, RopeStyle style,
+JKM_HD Raw16 finish_ds_mla_pe(ActType act, const Raw16& raw, bool rotate, const RopeSlice& slice, RopeStyle style,
                               const Raw16& partner, int j) {
-  if (rotate_by == nullptr && act == ActType::kBF16) return raw;
+  if (!rotate && act == ActType::kBF16) return raw;
   float v[kChunk];
   widen8(act, raw, v);
-  if (rotate_by != nullptr) rope8_raw(act, style, rotate_by, j, v, partner);
+  if (rotate) rope8_raw(act, style, slice, j, v, partner);
   return narrow8(true, v);
 }
 
 JKM_HD Raw16 make_ds_mla_pe(const Epilogue& e, int64_t t, int j) {
   const int c = kLatent / kChunk + j, p = partner_chunk(e, e.cache, c);
   const Raw16 raw = load16(chunk_src(e.cache, t, 0, c));
-  return finish_ds_mla_pe(e.act, raw, e.rope_row(t), e.rope_style,
+  RopeSlice slice;
+  const bool rotate = chunk_rotation(e, e.cache, t, c, slice);
+  return finish_ds_mla_pe(e.act, raw, rotate, slice, e.rope_style,
                           p == c ? raw : load16(chunk_src(e.cache, t, 0, p)), j);
 }
 

@@ -43,11 +43,6 @@ struct OpShape {
   CacheFormat cache = CacheFormat::kBf16;
   int num_rows = 0;
   RowShape rows[3] = {};
-  JKM_HD constexpr int head_chunks() const {
-    int n = 0;
-    for (int r = 0; r < num_rows; ++r) n += rows[r].chunks();
-    return n;
-  }
 };
 
 JKM_HD constexpr OpShape op_shape(Op op, bool rope) {

@@ -233,16 +233,16 @@ JKM_HD bool rope_is_first(RopeStyle style, int k) {  // k is x0 of its pair (els
   return style == RopeStyle::kGptj ? k % 2 == 0 : k < kRope / 2;
 }
 
-// Element k of the rotated rope part from x[k], x[rope_partner(k)] and the token's cos/sin row:
-// y0 or y1 of rope_pair, the same operations as rotating the whole pair.
-JKM_HD float rope_element(RopeStyle style, int k, float xk, float x_partner, const float* row) {
-  const int i = rope_pair_index(style, k);
+// Element k of the rotated rope part from x[k], x[rope_partner(k)] and its pair's (c, s) =
+// (row[i], row[32 + i]), i = rope_pair_index(style, k): y0 or y1 of rope_pair, the same
+// operations as rotating the whole pair.
+JKM_HD float rope_element(RopeStyle style, int k, float xk, float x_partner, float c, float s) {
   float y0, y1;
   if (rope_is_first(style, k)) {
-    rope_pair(xk, x_partner, row[i], row[kRope / 2 + i], y0, y1);
+    rope_pair(xk, x_partner, c, s, y0, y1);
     return y0;
   }
-  rope_pair(x_partner, xk, row[i], row[kRope / 2 + i], y0, y1);
+  rope_pair(x_partner, xk, c, s, y0, y1);
   return y1;
 }
 

@@ -1,0 +1,35 @@
+"""benchmarks/bench.py's judgement of issue 12's targets from a run's rows."""
+
+from pathlib import Path
+
+from _util import load_script
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
+
+
+def row(variant, heads, tokens, bw=0.0, us=1.0):
+    return dict(variant=variant, phase=variant.split("_")[0], heads=heads, tokens=tokens, rope=variant.endswith("_rope"),
+                ffi_bw_fraction=bw, ffi_us=us, error="")
+
+
+def status(lines, label):
+    (line,) = [line for line in lines if line.startswith(f"| {label}")]
+    return line.split(" | ")[2]
+
+
+def test_issue12_targets_are_judged_per_path():
+    bench = load_script(BENCH, "bench")
+    rows = [
+        row("prefill_fp8_rope", 96, 8192, bw=0.91), row("prefill_fp8_rope", 96, 32768, bw=0.89),
+        row("decode_fp8_rope", 96, 1024, bw=0.93), row("decode_fp8_rope", 96, 4096, bw=0.95),
+        row("decode_fp8_rope", 96, 64, bw=0.10),  # not a large size: not judged
+        row("decode_bf16_nope", 12, 1, us=1.2), row("decode_fp8_nope", 12, 64, us=1.3),
+        row("decode_bf16_rope", 12, 16, us=1.39),
+    ]
+    lines = bench.issue12_lines(rows, 0.8)
+    assert status(lines, "prefill fp8 q/k/v + RoPE, H = 96") == "**not met**"
+    assert status(lines, "decode fp8 RoPE, H = 96") == "met"
+    assert status(lines, "prefill fp8 RoPE, H = 12") == "not measured"
+    assert status(lines, "decode B <= 64, H = 12, every format, NoPE") == "**not met**"
+    assert status(lines, "decode B <= 64, H = 12, every format, RoPE") == "met"
+    assert "an empty kernel: 0.80 us" in "".join(lines)
