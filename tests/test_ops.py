@@ -213,6 +213,23 @@ def test_cuda_128_heads(fmt):
     check_untouched_rows(got[-1], a["kv_cache"], a["slot_mapping"])
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("style", [None, "gptj", "neox"], ids=["nope", "gptj", "neox"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cuda_matches_cpu_handler_across_head_counts(fmt, style):
+    """The kernel cuts each part of a token's lanes (the cache entry, a head row's nope or pe
+    lanes) into blocks whose size it picks per call: head counts that fill them unevenly give the
+    CPU handler's bits, the untouched cache rows included."""
+    extra = {} if style is None else {"rope_style": style}
+    step = jax.jit(lambda a: invoke(jax_kimi_mla, fmt, dict(a, **extra)))
+    for heads in (2, 3, 7, 17, 33, 65):
+        a = make_case(Case(fmt, 6, heads, rope=style is not None, seed=heads))
+        gpu, cpu = to_numpy(step(put(a, "cuda"))), to_numpy(step(put(a, "cpu")))
+        for (name, _, _), g, c in zip(OUTPUTS[fmt], gpu, cpu):
+            assert_equal_nan_aware(g, c, f"{fmt} {name}, H = {heads}, {style or 'NoPE'}: CUDA vs CPU handler")
+        check_untouched_rows(gpu[-1], a["kv_cache"], a["slot_mapping"])
+
+
 @pytest.mark.parametrize("gain", (1.7, 0.3))
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_scaled_cos_sin_tables(backend, fmt, gain):

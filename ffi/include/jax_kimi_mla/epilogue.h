@@ -1,6 +1,6 @@
 // What an epilogue call does, as data: the rows it writes and where each 8-element chunk of a row
-// comes from. The CPU handlers walk these rows in loops, the CUDA kernel gives each chunk a
-// thread; both call the chunk functions below, so the per-element work is written once.
+// comes from. The CPU handlers walk these rows in loops, the CUDA kernel gives each chunk a lane
+// of a thread; both call the chunk functions below, so the per-element work is written once.
 #pragma once
 
 #include "jax_kimi_mla/numerics.h"
@@ -14,7 +14,7 @@ enum class CacheFormat : uint8_t { kBf16, kFp8, kFp8DsMla };
 
 inline constexpr int kChunk = 8;                     // elements per chunk: 16 bytes of bf16/fp16
 inline constexpr int kRopeChunks = kRope / kChunk;   // 8
-inline constexpr int kCacheChunks = kEntry / kChunk; // 72: the lanes of one cache entry
+inline constexpr int kCacheChunks = kEntry / kChunk; // 72: the chunks of one cache entry
 inline constexpr int kTileChunks = kDsMlaTile / kChunk;  // 16 chunks share one ds_mla scale
 // NeoX pairs element k of the rope part with k ^ 32: pe chunk j's partners are in chunk j ^ 4.
 inline constexpr int kNeoxPartnerChunk = (kRope / 2) / kChunk;
