@@ -235,7 +235,7 @@ def target_lines(rows: list[dict], cache_rows: list[dict], dispatch_rows: list[d
     return lines
 
 
-# Issue 12's targets: (label, predicate on a row, the lowest BW fraction or the largest time).
+# Issue 12's bandwidth targets: (label, the lowest BW fraction, which rows the target covers).
 ISSUE12_BW_TARGETS = (
     ("prefill fp8 q/k/v + RoPE, H = 96, T >= 8192", 0.90,
      lambda r: r["variant"] == "prefill_fp8_rope" and r["heads"] == 96 and r["tokens"] >= 8192),

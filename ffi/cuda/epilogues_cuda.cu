@@ -1,10 +1,11 @@
 // CUDA handlers: one launch per call. A lane is one 8-element chunk of one output row (a pe
 // lane with NeoX RoPE: two, below). A token's lanes fall into parts: the cache entry (its 64
 // latent lanes, then its pe lanes), then for each head row the nope lanes of every head and the pe
-// lanes of every head (without RoPE, the row's lanes of every head: one part). A block covers lanes of one part of one token, so what kind of chunk its
-// lanes are, where the token's rows start, and whether it needs the slot or the position are
-// block-wide: a lane only finds its head and chunk (constant divisors) and adds their offsets,
-// and only the blocks that rotate run the RoPE arithmetic. The kernel is compiled per op, RoPE
+// lanes of every head (without RoPE, the row's lanes of every head: one part). A block covers
+// lanes of one part of one token, so what kind of chunk its lanes are, where the token's rows
+// start, and whether it needs the slot or the position are block-wide: a lane only finds its head
+// and chunk (constant divisors) and adds their offsets, and only the blocks that rotate run the
+// RoPE arithmetic. The kernel is compiled per op, RoPE
 // off / GPT-J / NeoX and activation dtype. With NeoX, pe lane j (0..3) of a row owns pe chunks j
 // and j + 4 (its pairs' two halves: it loads both, then stores both, so a row rotated in place is
 // never read after another thread wrote it). Each thread owns kLanesPerThread lanes and runs in
