@@ -250,8 +250,10 @@ def test_cuda_long_contexts(fmt, q_dtype, q_tokens):
     assert_close(fmt, q_dtype, poisoned_run(args, kw, "cuda"), want)
 
 
-# The wgmma kernel (JAX_KIMI_MLA_DECODE_KERNEL=wgmma: the 1-byte formats at S_q = 1 on sm_90):
-# long and ragged lengths, split counts, block sizes, a NaN inside a length.
+# The kernels a call takes only when asked (JAX_KIMI_MLA_DECODE_KERNEL): wgmma (the 1-byte formats
+# at S_q = 1 on sm_90), and mma, the general kernel where the plain fp8 cache under an E4M3 query
+# at S_q = 1 would take its own (fp8_attention_kernel, which the other tests take): long and
+# ragged lengths, split counts, block sizes, a NaN inside a length.
 WGMMA_CASES = {
     "long": dict(lens=(5000, 1, 0, 2049, 77), heads=16, block_size=64),
     "one split": dict(lens=(700, 64, 1, 0, 129), heads=20, num_splits=1),
@@ -263,11 +265,14 @@ WGMMA_CASES = {
 }
 
 
+KERNEL_CHOICES = [("wgmma", *f) for f in FORMATS if f[0] != "bf16"] + [("mma", "fp8", "float8_e4m3fn")]
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", WGMMA_CASES)
-@pytest.mark.parametrize("fmt,q_dtype", [f for f in FORMATS if f[0] != "bf16"])
-def test_cuda_wgmma_kernel_of_the_one_byte_formats(monkeypatch, fmt, q_dtype, case):
-    monkeypatch.setenv("JAX_KIMI_MLA_DECODE_KERNEL", "wgmma")
+@pytest.mark.parametrize("kernel,fmt,q_dtype", KERNEL_CHOICES)
+def test_cuda_kernels_taken_on_request(monkeypatch, kernel, fmt, q_dtype, case):
+    monkeypatch.setenv("JAX_KIMI_MLA_DECODE_KERNEL", kernel)
     spec = dict(WGMMA_CASES[case])
     splits = {"num_splits": spec.pop("num_splits")} if "num_splits" in spec else {}
     args, kw = make_case(fmt, q_dtype, seed=4, **spec)

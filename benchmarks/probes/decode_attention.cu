@@ -1,7 +1,9 @@
 // The mla_decode_attention CUDA kernels (ffi/cuda/decode_attention_cuda.cu, included as it is)
-// alone on a GPU, without building the extension: the wgmma kernel of the 1-byte formats against
-// the mma.sync kernel on the same inputs, then both timed at the benchmark's memory-bound size
-// and at B = 1, so that a kernel change can be judged in one short device call. The tests of
+// alone on a GPU, without building the extension: for the 1-byte formats, the kernel each
+// JAX_KIMI_MLA_DECODE_KERNEL choice takes (mma: attention_kernel; unset: the default, which for
+// plain fp8 under an E4M3 q is fp8_attention_kernel; wgmma) on the same inputs, each against the
+// first, timed at the benchmark's memory-bound size and at B = 1, so that a kernel change can be
+// judged in one short device call. The tests of
 // tests/test_decode_attention.py remain the correctness reference; this only guards against
 // timing a broken build. With -DJKM_WG_TRACE the wgmma kernel's roles stamp clock64 at each phase
 // for CTA 0 and the probe prints where a tile's time goes.
@@ -133,11 +135,14 @@ int run_case(const Case& k, std::mt19937& rng) {
   a.q_scale_inv = fp8 ? d_scales : nullptr;
   a.out = d_out, a.lse = d_lse, a.partials = k.splits > 1 ? d_partials : nullptr, a.num_splits = k.splits;
 
-  std::vector<uint16_t> out[2];
-  std::vector<float> lse[2];
-  float us[2];
-  for (int kernel = 0; kernel < 2; ++kernel) {  // 0: wgmma, 1: mma.sync
-    if (kernel == 0) setenv("JAX_KIMI_MLA_DECODE_KERNEL", "wgmma", 1);
+  // The kernels by JAX_KIMI_MLA_DECODE_KERNEL: attention_kernel (forced), the default (for plain
+  // fp8 under an E4M3 q, fp8_attention_kernel), the wgmma kernel; each against the first.
+  const char* kernels[3] = {"mma", nullptr, "wgmma"};
+  std::vector<uint16_t> out[3];
+  std::vector<float> lse[3];
+  float us[3];
+  for (int kernel = 0; kernel < 3; ++kernel) {
+    if (kernels[kernel] != nullptr) setenv("JAX_KIMI_MLA_DECODE_KERNEL", kernels[kernel], 1);
     else unsetenv("JAX_KIMI_MLA_DECODE_KERNEL");
     cudaMemset(d_out, 0xFF, out_elems * 2);
     if (ffi::Error e = run(nullptr, a); e.failure() || !ok(cudaDeviceSynchronize(), "attention")) {
@@ -162,23 +167,27 @@ int run_case(const Case& k, std::mt19937& rng) {
     us[kernel] = 1e3f * median(t);
     for (auto& e : ev) cudaEventDestroy(e);
   }
-  double worst = 0, size = 0, lse_worst = 0;
-  for (int64_t i = 0; i < out_elems; ++i) {
-    const float x = bf16_to_f32(out[0][i]), y = bf16_to_f32(out[1][i]);
-    worst = std::isnan(x) != std::isnan(y) ? INFINITY : std::fmax(worst, std::fabs(x - y));
-    size = std::fmax(size, std::fabs(y));
-  }
-  for (size_t i = 0; i < lse[0].size(); ++i) lse_worst = std::fmax(lse_worst, std::fabs(lse[0][i] - lse[1][i]));
-  const bool agree = worst <= 2e-2 * (1 + size) && lse_worst <= 1e-2;
   const double bytes = double(k.batch) * k.context * a.row_bytes;
-  int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  const double tiles_per_cta = double(k.batch) * max_blocks / (double(k.splits) * k.batch) * 1.0;
-  std::printf("%s B %d context %d H %d splits %d: wgmma %.2f us, mma %.2f us (cache %.0f GB/s vs %.0f); "
-              "wgmma %.2f us a tile; outputs %s (max |diff| %.3g of %.3g, lse %.3g)\n",
-              fp8 ? "fp8       " : "fp8_ds_mla", k.batch, k.context, k.heads, k.splits, us[0], us[1],
-              bytes / (us[0] * 1e3), bytes / (us[1] * 1e3), us[0] / tiles_per_cta, agree ? "agree" : "DIFFER", worst,
-              size, lse_worst);
+  const double tiles_per_cta = double(max_blocks) / k.splits;
+  bool agree = true;
+  std::printf("%s B %d context %d H %d splits %d:", fp8 ? "fp8       " : "fp8_ds_mla", k.batch, k.context, k.heads,
+              k.splits);
+  for (int kernel = 0; kernel < 3; ++kernel) {
+    double worst = 0, size = 0, lse_worst = 0;
+    for (int64_t i = 0; i < out_elems; ++i) {
+      const float x = bf16_to_f32(out[kernel][i]), y = bf16_to_f32(out[0][i]);
+      worst = std::isnan(x) != std::isnan(y) ? INFINITY : std::fmax(worst, std::fabs(x - y));
+      size = std::fmax(size, std::fabs(y));
+    }
+    for (size_t i = 0; i < lse[0].size(); ++i) lse_worst = std::fmax(lse_worst, std::fabs(lse[kernel][i] - lse[0][i]));
+    const bool same = worst <= 2e-2 * (1 + size) && lse_worst <= 1e-2;
+    agree = agree && same;
+    std::printf(" %s %.2f us (%.0f GB/s, %.2f us a tile%s%s, max |diff| %.3g, lse %.3g);",
+                kernels[kernel] ? kernels[kernel] : "default", us[kernel], bytes / (us[kernel] * 1e3),
+                us[kernel] / tiles_per_cta, kernel == 0 ? "" : ", ", kernel == 0 ? "" : same ? "agrees" : "DIFFERS",
+                worst, lse_worst);
+  }
+  std::printf("\n");
 #ifdef JKM_WG_TRACE
   setenv("JAX_KIMI_MLA_DECODE_KERNEL", "wgmma", 1);
   (void)run(nullptr, a);

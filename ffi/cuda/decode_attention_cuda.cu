@@ -71,8 +71,11 @@
 //    of the conversion and P.V (+20%). 4 warps x 32-token tiles at 2 CTAs per SM measured slower,
 //    and so did 16 warps for plain fp8 (271 against 232 us: each warp's fixed per-tile work, about
 //    300 instructions, doubled with the warps).
-// 1b. wgmma_attention_kernel (opt-in, JAX_KIMI_MLA_DECODE_KERNEL=wgmma; sm_90, the 1-byte formats,
-//    S_q = 1), in place of attention_kernel: warp roles handing tiles over by mbarriers, wgmma
+// 1b. fp8_attention_kernel (the default for the plain fp8 cache under an E4M3 query at S_q = 1),
+//    in place of attention_kernel: the same CTA and phases, but P.V reads the raw codes and
+//    converts them in registers, so no converted V tile is written or read (its section below).
+// 1c. wgmma_attention_kernel (opt-in, JAX_KIMI_MLA_DECODE_KERNEL=wgmma; sm_90, the 1-byte formats,
+//    S_q = 1), in place of the two above: warp roles handing tiles over by mbarriers, wgmma
 //    with the tokens as M. Correct, still slower (its section below).
 // 2. combine_kernel (num_splits > 1 only), one CTA per (row, sequence), 16 warps when the rows
 //    are fewer than twice the SMs (a row's splits loaded in one round), else 4: the live splits
@@ -93,7 +96,7 @@
 //
 // History and measurements (H200): docs/DECODE_ATTENTION.md. At H = 12, B = 64, context 16k
 // (Nsight Compute): bf16 298-328 us (82-90% of the copy ceiling, varying by machine), plain fp8
-// 233 us (61%), fp8_ds_mla 300 us (54%). Every format is bound by the latency of a tile's chain
+// 233 us (61%; fp8_attention_kernel 213-215 us by events, 66%), fp8_ds_mla 300 us (54%). Every format is bound by the latency of a tile's chain
 // of phases in one CTA (2.0-2.5 us per tile), which bf16's bytes nearly match and the 1-byte
 // formats' do not: with the whole context in L2 they run no faster. The split count is the
 // caller's choice: one CTA per SM, so num_splits * ceil(S_q*H / 16) * B should reach the SM count.
@@ -378,6 +381,10 @@ __device__ __forceinline__ Scales load_scales(const DecodeAttention& a) {
 // R_c[4s + 2 + e]. A dot product does not care about the order of its terms, so Q is stored in
 // that same order (mma_column) and QK^T needs neither ldmatrix on K nor a converted K tile.
 
+// fp8_attention_kernel's token order: position kk of a 16-token group (of the logits, P and the B
+// rows of P.V) holds token fp8_token(kk) of the group (its section says why).
+__host__ __device__ constexpr int fp8_token(int kk) { return kk ^ ((kk >> 1) & 1); }
+
 // The MMA column (in the Q tile) of query column k, for the 1-byte formats.
 template <CacheFormat kFormat>
 __host__ __device__ constexpr int mma_column(int k) {
@@ -617,12 +624,13 @@ struct Lane {
 
 // The query's A fragments of this warp's column half, k-step kFirst + i in q[i], kept in
 // registers for the CTA's whole split.
-template <int kFirst, int kCount, int kQSteps>
+template <int kFirst, int kCount, int kQSteps, int kQRowBytes = kRowBytes>
 __device__ __forceinline__ void load_q_fragments(const Lane& t, const uint8_t* q_tile,
                                                  uint32_t (&q)[kQSteps][4]) {
-  // Matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15), in the order a[0..3]; k-step k is at + 32k.
+  // Matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15), in the order a[0..3]; k-step k is at + 32k
+  // (32 bytes: 16 columns of 16 bits, or 32 E4M3 codes).
   const uint32_t addr =
-      smem_addr(q_tile) + ((t.lane & 7) + ((t.lane >> 3) & 1) * 8) * kRowBytes + (t.lane >> 4) * 16;
+      smem_addr(q_tile) + ((t.lane & 7) + ((t.lane >> 3) & 1) * 8) * kQRowBytes + (t.lane >> 4) * 16;
 #pragma unroll
   for (int i = 0; i < kCount; ++i) ldmatrix_x4(q[i], addr + (kFirst + i) * 32);
 }
@@ -659,7 +667,9 @@ __device__ __forceinline__ void qk_tile(const Lane& t, const uint32_t (&q)[kQSte
 // stays free of branches, and write_logits makes that token's logits NaN, as a NaN in K would
 // (its +-480 stand-ins in the V tile are never seen: every row that sees the token gets p = NaN,
 // and a row that does not never reads it).
-template <CacheFormat kFormat, ActType kElem, int kFirstBlock, int kBlocks, int kQSteps>
+// With kFp8Order (fp8_attention_kernel), lane g of n-block n takes token fp8_token(8n + g) of the
+// group, and no V tile is written (v_tile unused).
+template <CacheFormat kFormat, ActType kElem, int kFirstBlock, int kBlocks, int kQSteps, bool kFp8Order = false>
 __device__ __forceinline__ void qk_tile_raw(const Lane& t, const uint32_t (&q)[kQSteps][4],
                                             const uint8_t* raw, uint8_t* v_tile,
                                             float (&acc)[2][2][4], bool (&nan)[2]) {
@@ -671,7 +681,7 @@ __device__ __forceinline__ void qk_tile_raw(const Lane& t, const uint32_t (&q)[k
   uint32_t scale2[2][kLatent / kDsMlaTile];  // ds_mla: each token's tile scales as element pairs
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
-    const int token = t.group * kTokensPerGroup + 8 * n + t.g;
+    const int token = t.group * kTokensPerGroup + (kFp8Order ? fp8_token(8 * n + t.g) : 8 * n + t.g);
     row[n] = raw + token * L::kEntryBytes;
     v_row[n] = v_tile + token * L::kVRowBytes;
     if constexpr (kDsMla) {  // exact for powers of 2
@@ -705,7 +715,7 @@ __device__ __forceinline__ void qk_tile_raw(const Lane& t, const uint32_t (&q)[k
           hi = make_uint4(mul_elems<kElem>(hi.x, sc), mul_elems<kElem>(hi.y, sc),
                           mul_elems<kElem>(hi.z, sc), mul_elems<kElem>(hi.w, sc));
         }
-        if (j < kLatent / 64) {
+        if (!kFp8Order && j < kLatent / 64) {
           *reinterpret_cast<uint4*>(v_row[n] + 2 * (64 * j + 16 * t.c)) = lo;
           *reinterpret_cast<uint4*>(v_row[n] + 2 * (64 * j + 16 * t.c) + 16) = hi;
         }
@@ -727,10 +737,12 @@ __device__ __forceinline__ void qk_tile_raw(const Lane& t, const uint32_t (&q)[k
 // (the half's [16][kScoreStride] array): -inf where the token is masked or not visible to the
 // row (in both halves, so their sum is -inf, whatever the data), NaN where visible and lanes
 // 4i..4i + 3 of nan_lanes[n] flag the n-block's token i (qk_tile_raw).
+// With swap = 1 the lane's two logits of a pair are those of tokens token + 1 and token (the
+// fp8 kernel's token order, fp8_token), stored at their places in that order.
 __device__ __forceinline__ void write_logits(const Lane& t, const float (&acc)[2][2][4],
                                              const uint32_t (&nan_lanes)[2],
                                              const int64_t* rows, int64_t tile_first,
-                                             float logit_scale, float* scores) {
+                                             float logit_scale, float* scores, int swap = 0) {
   // Row g + 8h sees the tile's tokens [0, seen[h]): 32-bit compares per logit instead of 64-bit.
   int seen[2];
 #pragma unroll
@@ -748,9 +760,10 @@ __device__ __forceinline__ void write_logits(const Lane& t, const float (&acc)[2
       float v[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int i = 2 * h + e;
+        const int i = 2 * h + e, te = e ^ swap;  // te: the token of logit e, token + te
+        const bool live = (te ? loaded[1] : loaded[0]) && token + te < seen[h], is_nan = te ? nan[1] : nan[0];
         const float logit = (acc[n][0][i] + acc[n][1][i]) * logit_scale;
-        v[e] = !(loaded[e] && token + e < seen[h]) ? -INFINITY : nan[e] ? NAN : logit;
+        v[e] = !live ? -INFINITY : is_nan ? NAN : logit;
       }
       *reinterpret_cast<float2*>(scores + (t.g + 8 * h) * kScoreStride + token) = make_float2(v[0], v[1]);
     }
@@ -781,9 +794,10 @@ struct RowStats {
 
 __device__ __forceinline__ int softmax_row(const Lane& t) { return 2 * t.warp + t.lane / 16; }
 
+// Returns the row's alpha.
 template <ActType kElem, int kPRowBytes>
-__device__ __forceinline__ void softmax_rows(const Lane& t, const float* scores, uint8_t* p_tile, RowState& state,
-                                             RowStats& stats) {
+__device__ __forceinline__ float softmax_rows(const Lane& t, const float* scores, uint8_t* p_tile, RowState& state,
+                                              RowStats& stats) {
   static_assert(kWarps * 2 == kTileRows && kTileTokens == 16 * 4, "2 rows per warp, 4 tokens per lane");
   const int row = softmax_row(t), token = 4 * (t.lane % 16);
   const float* logits = scores + row * kScoreStride + token;
@@ -807,6 +821,7 @@ __device__ __forceinline__ void softmax_rows(const Lane& t, const float* scores,
   *reinterpret_cast<uint2*>(p_tile + row * kPRowBytes + 2 * token) =
       make_uint2(pack_elems<kElem>(e[0], e[1]), pack_elems<kElem>(e[2], e[3]));
   if (t.lane % 16 == 0) stats.alpha[row] = alpha;
+  return alpha;
 }
 
 // After the loop: the row's max and sum (its 16 lanes' sums) to the shared stats.
@@ -917,6 +932,9 @@ __device__ __forceinline__ void store_out_piece(const DecodeAttention& a, int64_
   }
 }
 
+// kFp8Columns: the fragments of fp8_attention_kernel's P.V, whose out[i][2h + e] is column 16c + 8e + i
+// of the warp's 64 (else out[n][2h + e] is column 8n + 2c + e).
+template <bool kFp8Columns = false>
 __device__ __forceinline__ void write_rows(const DecodeAttention& a, const Work& w, const Lane& t,
                                            const Scales& scales, const RowStats& stats,
                                            const float (&out)[kOutBlocks][4], float* staging) {
@@ -927,11 +945,22 @@ __device__ __forceinline__ void write_rows(const DecodeAttention& a, const Work&
     const float sum = stats.sum[row];
     const bool empty = sum == 0.0f;  // saw no visible unmasked token; a NaN sum is not empty
     const float norm = empty ? 0.0f : scales.out / sum;
-    float* dst = staging + row * kStagingStride + t.warp * kColsPerWarp + 2 * t.c;
+    float* dst = staging + row * kStagingStride + t.warp * kColsPerWarp;
+    if constexpr (kFp8Columns) {
 #pragma unroll
-    for (int n = 0; n < kOutBlocks; ++n)
-      *reinterpret_cast<float2*>(dst + 8 * n) =
-          empty ? make_float2(0.0f, 0.0f) : make_float2(out[n][2 * h] * norm, out[n][2 * h + 1] * norm);
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int i = 0; i < kOutBlocks; i += 4)
+          *reinterpret_cast<float4*>(dst + 16 * t.c + 8 * e + i) =
+              empty ? make_float4(0.0f, 0.0f, 0.0f, 0.0f)
+                    : make_float4(out[i][2 * h + e] * norm, out[i + 1][2 * h + e] * norm,
+                                  out[i + 2][2 * h + e] * norm, out[i + 3][2 * h + e] * norm);
+    } else {
+#pragma unroll
+      for (int n = 0; n < kOutBlocks; ++n)
+        *reinterpret_cast<float2*>(dst + 2 * t.c + 8 * n) =
+            empty ? make_float2(0.0f, 0.0f) : make_float2(out[n][2 * h] * norm, out[n][2 * h + 1] * norm);
+    }
     const int64_t r = w.row0 + row;
     if (t.warp == 0 && t.c == 0 && r < rows) {
       const float lse = empty ? -INFINITY : (stats.max[row] + log2f(sum)) * kLn2;
@@ -1126,6 +1155,206 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) attend<kFormat, kElem>(a, maps, b, scales, smem);
 }
 
+// ---- The plain fp8 cache under an E4M3 query: P.V from the raw tile, no converted tile ----
+//
+// fp8_attention_kernel takes attention_kernel's place for plain fp8 with an E4M3 mqa_q at S_q = 1
+// (every row sees the whole length). The CTA, its 16 rows, the split, QK^T (qk_tile_raw, f16
+// elements), the softmax and the output are attention_kernel's; what differs is that no tile is
+// ever converted into shared memory:
+// - P.V reads the raw codes: lane (g, c) of warp w loads 8 bytes of each of its 4 tokens of a
+//   k-step (columns 64w + 8g .. + 7), pairs the tokens' bytes (prmt) and converts the pairs to
+//   f16 (cvt.rn.f16x2.e4m3x2, exact, NaN kept): n-block i of the warp is columns 64w + 8g + i,
+//   over g. The output store undoes that order (write_rows<true>). The latent is converted twice
+//   (by QK^T and by P.V), in registers, instead of written and read back as 16-bit values: a
+//   third of the shared-memory traffic, and no converted tile for P.V to wait on.
+// - So a stage stays live until P.V of its tile is done: 4 raw stages (147 KB), the next tile
+//   issued two tiles ahead, at the top of the iteration (out of the softmax interval).
+// - Token order: position kk of a 16-token group holds token fp8_token(kk) = kk ^ ((kk >> 1) & 1),
+//   so that the 8 lanes of every 16-byte QK^T load (tokens 0, 1 | 3, 2 | 4, 5 | 7, 6) and the 4
+//   tokens of every P.V load split evenly between the two 64-byte halves of a bank row (576-byte
+//   rows are 64 mod 128): QK^T's loads are conflict-free, P.V's 2-way (the least 8-byte loads of
+//   4 tokens at the same columns allow). A lane's logits of a pair are then tokens (2c, 2c + 1) or
+//   (2c + 1, 2c) (write_logits' swap).
+// (mma.sync with E4M3 operands, m16n8k32, is no faster on sm_90: ptxas lowers it to these same
+// conversions and two f16 MMAs, and then converts Q again on every tile; measured, 2026-12-02.)
+constexpr int kFp8Stages = 4;
+
+struct Fp8Layout {
+  static constexpr int kStageBytes = kTileTokens * kEntry;
+  static constexpr int kPRowBytes = 2 * kTileTokens + 16;
+  static constexpr int kRaw = 0;                                                  // [kFp8Stages][64][576]
+  static constexpr int kScores = kRaw + kFp8Stages * kStageBytes;                 // float [half][16][kScoreStride]
+  static constexpr int kP = kScores + kColumnHalves * kTileRows * kScoreStride * 4;  // [16][kPRowBytes]
+  static constexpr int kEntries = kP + kTileRows * kPRowBytes;                    // int64 [kFp8Stages][64]
+  static constexpr int kBarriers = kEntries + kFp8Stages * kTileTokens * 8;       // uint64 [kFp8Stages]
+  static constexpr int kStats = kBarriers + 8 * kFp8Stages;                       // RowStats
+  static constexpr int kQ = kStats + (int(sizeof(RowStats)) + 15) / 16 * 16;     // [16][kRowBytes]
+  static constexpr int kBytes = kQ + kTileRows * kRowBytes;
+  static_assert(kScores % 16 == 0 && kP % 16 == 0 && kEntries % 16 == 0 && kQ % 16 == 0);
+  static_assert(kBytes <= 232448, "more than sm_90's 227 KB of shared memory per block");
+  static_assert(kThreads >= kFp8Stages * kTileTokens, "the prologue gives one thread to each token");
+  static_assert(kFp8Stages * kStageBytes >= kTileRows * kStagingStride * int(sizeof(float)),
+                "the output rows are staged over the stages");
+};
+
+// The two codes of the low (high) 16 bits of x as their f16 pair, the first lowest (the build
+// without the instruction never launches the kernel: kFp8KernelBuilt). The halves are taken by
+// a vector move, so that ptxas reads the high one in place instead of shifting it down.
+template <int kHalf>
+__device__ __forceinline__ uint32_t e4m3x2_half_to_f16x2(uint32_t x) {
+#if JKM_HARDWARE_FP8
+  uint32_t d;
+  if constexpr (kHalf == 0)
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(d) : "r"(x));
+  else
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}\n" : "=r"(d) : "r"(x));
+  return d;
+#else
+  __trap();
+  return x;
+#endif
+}
+
+// out[16 x this warp's 64 columns] += P[16 x 64] V[64 x 64], V from the raw tile (the comment
+// above): k-step k, B rows 2c, 2c + 1, 2c + 8, 2c + 9 are tokens 16k + fp8_token of those.
+__device__ __forceinline__ void pv_accumulate_fp8(const Lane& t, const uint32_t (&p)[kPvSteps][4], const uint8_t* raw,
+                                                  float (&out)[kOutBlocks][4]) {
+  const uint8_t* base = raw + kColsPerWarp * t.warp + 8 * t.g;
+  const int kk[4] = {2 * t.c, 2 * t.c + 1, 2 * t.c + 8, 2 * t.c + 9};
+#pragma unroll
+  for (int k = 0; k < kPvSteps; ++k) {
+    uint2 w[4];
+#pragma unroll
+    for (int x = 0; x < 4; ++x)
+      w[x] = *reinterpret_cast<const uint2*>(base + (16 * k + fp8_token(kk[x])) * kEntry);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // columns 8g + 4h .. + 3: n-blocks 4h .. 4h + 3
+      const uint32_t r0 = h ? w[0].y : w[0].x, r1 = h ? w[1].y : w[1].x;
+      const uint32_t r2 = h ? w[2].y : w[2].x, r3 = h ? w[3].y : w[3].x;
+      // Bytes (r0 i, r1 i, r0 i + 1, r1 i + 1): the B pairs of columns i and i + 1.
+      const uint32_t b0[2] = {__byte_perm(r0, r1, 0x5140), __byte_perm(r0, r1, 0x7362)};
+      const uint32_t b1[2] = {__byte_perm(r2, r3, 0x5140), __byte_perm(r2, r3, 0x7362)};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t v0 = i & 1 ? e4m3x2_half_to_f16x2<1>(b0[i >> 1]) : e4m3x2_half_to_f16x2<0>(b0[i >> 1]);
+        const uint32_t v1 = i & 1 ? e4m3x2_half_to_f16x2<1>(b1[i >> 1]) : e4m3x2_half_to_f16x2<0>(b1[i >> 1]);
+        mma_16816<ActType::kF16>(out[4 * h + i], p[k], v0, v1);
+      }
+    }
+  }
+}
+
+// One CTA's work for sequence b (attend's, S_q = 1). Tile i: [P.V of tile i - 1] QK^T of tile i |
+// barrier | softmax of tile i | barrier; tile i + 2 issued at the top, into the stage of tile i - 2.
+__device__ void attend_fp8(const DecodeAttention& a, int64_t b, const Scales& scales, uint8_t* smem) {
+  using L = Fp8Layout;
+  const int64_t len = a.context_len(b);
+  Work w;
+  w.b = b;
+  w.row0 = int64_t(blockIdx.y) * kTileRows;
+  const int64_t split_tokens = a.split_tokens(len);
+  w.first = int(blockIdx.x) * split_tokens;
+  if (a.num_splits > 1 && w.first >= len) return;  // not a live split: the combine skips it
+  w.load_end = min64(w.first + split_tokens, len);
+  w.n_tiles = w.load_end > w.first ? (w.load_end - w.first + kTileTokens - 1) / kTileTokens : 0;
+
+  Lane t;
+  t.warp = int(threadIdx.x) / 32, t.lane = int(threadIdx.x) % 32;
+  t.g = t.lane / 4, t.c = t.lane % 4;
+  t.half = t.warp / kTokenGroups, t.group = t.warp % kTokenGroups;
+  t.visible[0] = t.visible[1] = len;  // S_q = 1: every row sees the whole length
+
+  uint8_t* raw = smem + L::kRaw;
+  uint8_t* q_tile = smem + L::kQ;
+  float* scores = reinterpret_cast<float*>(smem + L::kScores);
+  uint8_t* p_tile = smem + L::kP;
+  int64_t* tile_rows = reinterpret_cast<int64_t*>(smem + L::kEntries);  // [tile % kFp8Stages][token]
+  uint64_t* stage_full = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
+  RowStats& stats = *reinterpret_cast<RowStats*>(smem + L::kStats);
+  const auto stage = [&](int s) { return raw + s * L::kStageBytes; };
+  const auto issue = [&](int s) {  // threads 0-63: the tile whose rows are in slot s, to stage s
+    if (threadIdx.x < kTileTokens)
+      issue_raw_tile<CacheFormat::kFp8>(a, tile_rows[s * kTileTokens + threadIdx.x], stage(s), stage_full + s);
+  };
+
+  __syncthreads();  // this CTA's previous sequence is done with the shared memory
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kFp8Stages; ++s) mbarrier_init(stage_full + s, kTileTokens);
+    mbarrier_init_fence();
+  }
+  uint4 q_fetched[kQChunksPerThread];
+  fetch_q<ActType::kF16>(a, b, w.row0, q_fetched);
+  if (threadIdx.x < kFp8Stages * kTileTokens)
+    tile_rows[threadIdx.x] = tile_token_row(a, w, threadIdx.x / kTileTokens, threadIdx.x % kTileTokens);
+  __syncthreads();  // the rows of the first tiles and the mbarriers are ready
+#pragma unroll
+  for (int s = 0; s < kFp8Stages; ++s)
+    if (s < w.n_tiles) issue(s);
+  store_q<CacheFormat::kFp8, ActType::kF16>(a, q_fetched, q_tile);
+  __syncthreads();  // the query tile is complete
+  using QL = Layout<CacheFormat::kFp8>;  // its column halves and Q fragments are attention_kernel's
+  constexpr int kHalfBlock = QL::kHalfStep / 4;
+  uint32_t q[QL::kQSteps][4];
+  if (t.half == 0)
+    load_q_fragments<0, QL::kHalfStep>(t, q_tile, q);
+  else
+    load_q_fragments<QL::kHalfStep, kQkSteps - QL::kHalfStep>(t, q_tile, q);
+  uint32_t parity = 0;  // bit s: the phase of stage s's mbarrier that the next wait expects
+
+  float out[kOutBlocks][4] = {};
+  RowState state;  // of row softmax_row(t)
+  const int lookup_token = int(threadIdx.x) - kTileTokens;  // warps 2-3 look the rows of later tiles up
+  const bool looks_up = lookup_token >= 0 && lookup_token < kTileTokens;
+  int slot = 0;  // tile % kFp8Stages
+  bool rescale = false;  // some row's alpha of the last tile is not 1 (a NaN alpha is not 1)
+  for (int64_t tile = 0;; ++tile) {
+    const int prev = (slot + kFp8Stages - 1) % kFp8Stages, before = (slot + kFp8Stages - 2) % kFp8Stages;
+    // Tile + 2 goes to the stage of tile - 2, whose P.V ended before the last barrier but one.
+    if (tile >= 2 && tile + 2 < w.n_tiles) issue(before);
+    if (tile > 0) {  // out += P V of tile - 1, rescaled by its alphas unless all are 1
+      if (rescale) {
+        const float alpha[2] = {stats.alpha[t.g], stats.alpha[t.g + 8]};
+#pragma unroll
+        for (int n = 0; n < kOutBlocks; ++n)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) out[n][i] *= alpha[i >> 1];
+      }
+      uint32_t p[kPvSteps][4];
+      load_p_fragments<L::kPRowBytes>(t, p_tile, p);
+      pv_accumulate_fp8(t, p, stage(prev), out);
+    }
+    if (tile == w.n_tiles) break;
+    mbarrier_wait(stage_full + slot, (parity >> slot) & 1);
+    parity ^= 1u << slot;
+    const int64_t row_ahead = looks_up ? tile_token_row(a, w, tile + kFp8Stages, lookup_token) : -1;
+    float acc[2][2][4] = {};
+    bool nan[2];  // unused: the f16 conversion keeps NaN
+    constexpr CacheFormat kF = CacheFormat::kFp8;
+    constexpr ActType kE = ActType::kF16;
+    if (t.half == 0)
+      qk_tile_raw<kF, kE, 0, kHalfBlock, QL::kQSteps, true>(t, q, stage(slot), nullptr, acc, nan);
+    else
+      qk_tile_raw<kF, kE, kHalfBlock, kEntry / 64 - kHalfBlock, QL::kQSteps, true>(t, q, stage(slot), nullptr, acc, nan);
+    const uint32_t no_nan[2] = {0, 0};
+    write_logits(t, acc, no_nan, tile_rows + slot * kTileTokens, w.first + tile * kTileTokens, scales.logit,
+                 scores + t.half * kTileRows * kScoreStride, t.c & 1);
+    __syncthreads();  // the logits are complete; P.V of tile - 1 is done with P and its stage
+    if (looks_up) tile_rows[slot * kTileTokens + lookup_token] = row_ahead;
+    const float alpha = softmax_rows<ActType::kF16, L::kPRowBytes>(t, scores, p_tile, state, stats);
+    rescale = __syncthreads_or(alpha != 1.0f);  // the P tile and the rows' alphas are complete
+    slot = slot + 1 == kFp8Stages ? 0 : slot + 1;
+  }
+  publish_row_state(t, state, stats);
+  __syncthreads();
+  write_rows<true>(a, w, t, scales, stats, out, reinterpret_cast<float*>(raw));
+}
+
+__global__ void __launch_bounds__(kThreads, 1) fp8_attention_kernel(const DecodeAttention a) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  const Scales scales = load_scales<CacheFormat::kFp8>(a);
+  for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) attend_fp8(a, b, scales, smem);
+}
+
 // One CTA per (query row, sequence): out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max lse)
 // over the live splits whose lse is not -inf; lse = max + log(sum w_s). At B = 1 the combine is
 // on the critical path of a call, so its loads are few rounds of latency: warp w merges splits
@@ -1216,7 +1445,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const Decod
 //
 // wgmma_attention_kernel, grid and partials as attention_kernel's (one CTA per SM, 16 query rows
 // and the tokens of one split), for plain fp8 and fp8_ds_mla when S_q = 1, on an sm_90 GPU, where
-// asked for (takes_wgmma_kernel): correct, not yet faster. The mma.sync kernel above is bound by
+// asked for (choose_kernel): correct, not yet faster. The mma.sync kernel above is bound by
 // the chain of its phases across eight warps and three barriers (2.0-2.5 us a tile), which the
 // 1-byte formats' bytes (1.0-1.2 us a tile at HBM speed) do not hide. Here the phases have their
 // own warps and hand tiles over by mbarriers, with no CTA-wide barrier:
@@ -1794,14 +2023,43 @@ ffi::Error launch_wgmma_attention(cudaStream_t stream, const DecodeAttention& a,
   return ffi::Error::Success();
 }
 
-// Whether the call takes wgmma_attention_kernel: only where asked for
-// (JAX_KIMI_MLA_DECODE_KERNEL=wgmma, read per call), on an sm_90 GPU (wgmma is sm_90a's), for a
-// 1-byte cache at S_q = 1. It is correct but still slower than attention_kernel on the H200
-// (docs/DECODE_ATTENTION.md, "Ninth round"), so it is not the default yet.
-bool takes_wgmma_kernel(const DecodeAttention& a, int major) {
-  if (major != 9 || a.q_tokens != 1 || a.cache_format == CacheFormat::kBf16) return false;
-  const char* choice = std::getenv("JAX_KIMI_MLA_DECODE_KERNEL");
-  return choice != nullptr && std::string(choice) == "wgmma";
+ffi::Error launch_fp8_attention(cudaStream_t stream, const DecodeAttention& a, dim3 grid) {
+  constexpr int kBytes = Fp8Layout::kBytes;
+  const cudaError_t err = cudaFuncSetAttribute(fp8_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+  if (err != cudaSuccess) {
+    const std::string what = "allowing " + std::to_string(kBytes) + " bytes of shared memory per block";
+    return cuda_error(what.c_str(), err);
+  }
+  fp8_attention_kernel<<<grid, kThreads, kBytes, stream>>>(a);
+  return ffi::Error::Success();
+}
+
+// The kernel a call takes. JAX_KIMI_MLA_DECODE_KERNEL (read per call, for comparisons) may ask
+// for another than the default where that one applies:
+// - fp8_attention_kernel (the default where it applies): the plain fp8 cache under an E4M3 query
+//   at S_q = 1, in a build that has the sm_89+ fp8 conversion (not JAX_KIMI_MLA_SOFTWARE_FP8).
+//   "mma" asks for attention_kernel instead.
+// - wgmma_attention_kernel ("wgmma"): the 1-byte formats at S_q = 1 on an sm_90 GPU (wgmma is
+//   sm_90a's). Correct but slower than the others on the H200 (docs/DECODE_ATTENTION.md, "Ninth
+//   round"), so never the default.
+// - attention_kernel: everything else.
+enum class DecodeKernel { kMma, kFp8, kWgmma };
+
+#ifdef JKM_SOFTWARE_FP8
+constexpr bool kFp8KernelBuilt = false;
+#else
+constexpr bool kFp8KernelBuilt = true;
+#endif
+
+DecodeKernel choose_kernel(const DecodeAttention& a, int major) {
+  const char* env = std::getenv("JAX_KIMI_MLA_DECODE_KERNEL");
+  const std::string choice = env != nullptr ? env : "";
+  if (choice == "wgmma" && major == 9 && a.q_tokens == 1 && a.cache_format != CacheFormat::kBf16)
+    return DecodeKernel::kWgmma;
+  if (choice != "mma" && kFp8KernelBuilt && a.cache_format == CacheFormat::kFp8 && a.q_type == QType::kE4m3 &&
+      a.q_tokens == 1)
+    return DecodeKernel::kFp8;
+  return DecodeKernel::kMma;
 }
 
 // The MMA element type: f16 where both q and the cache's values are exact in f16 (f16 q over an
@@ -1831,25 +2089,28 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a) {
   const dim3 grid(unsigned(a.num_splits), unsigned(row_groups), batch_blocks);
   const bool f16 = mma_type(a) == ActType::kF16;
   ffi::Error err = ffi::Error::Success();
-  if (takes_wgmma_kernel(a, major)) {
+  const DecodeKernel kernel = choose_kernel(a, major);
+  if (kernel == DecodeKernel::kFp8) {
+    err = launch_fp8_attention(stream, a, grid);
+  } else if (kernel == DecodeKernel::kWgmma) {
     err = a.cache_format == CacheFormat::kFp8DsMla
               ? launch_wgmma_attention<CacheFormat::kFp8DsMla, ActType::kBF16>(stream, a, grid)
           : f16 ? launch_wgmma_attention<CacheFormat::kFp8, ActType::kF16>(stream, a, grid)
                 : launch_wgmma_attention<CacheFormat::kFp8, ActType::kBF16>(stream, a, grid);
   } else {
-  switch (a.cache_format) {
-    case CacheFormat::kBf16:
-      err = f16 ? launch_attention<CacheFormat::kBf16, ActType::kF16>(stream, a, grid)
-                : launch_attention<CacheFormat::kBf16, ActType::kBF16>(stream, a, grid);
-      break;
-    case CacheFormat::kFp8:
-      err = f16 ? launch_attention<CacheFormat::kFp8, ActType::kF16>(stream, a, grid)
-                : launch_attention<CacheFormat::kFp8, ActType::kBF16>(stream, a, grid);
-      break;
-    case CacheFormat::kFp8DsMla:
-      err = launch_attention<CacheFormat::kFp8DsMla, ActType::kBF16>(stream, a, grid);
-      break;
-  }
+    switch (a.cache_format) {
+      case CacheFormat::kBf16:
+        err = f16 ? launch_attention<CacheFormat::kBf16, ActType::kF16>(stream, a, grid)
+                  : launch_attention<CacheFormat::kBf16, ActType::kBF16>(stream, a, grid);
+        break;
+      case CacheFormat::kFp8:
+        err = f16 ? launch_attention<CacheFormat::kFp8, ActType::kF16>(stream, a, grid)
+                  : launch_attention<CacheFormat::kFp8, ActType::kBF16>(stream, a, grid);
+        break;
+      case CacheFormat::kFp8DsMla:
+        err = launch_attention<CacheFormat::kFp8DsMla, ActType::kBF16>(stream, a, grid);
+        break;
+    }
   }
   if (err.failure()) return err;
   if (a.num_splits > 1) {
