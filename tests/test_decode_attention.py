@@ -251,9 +251,10 @@ def test_cuda_long_contexts(fmt, q_dtype, q_tokens):
 
 
 # The kernels a call takes only when asked (JAX_KIMI_MLA_DECODE_KERNEL): wgmma (the 1-byte formats
-# at S_q = 1 on sm_90), and mma, the general kernel where the plain fp8 cache under an E4M3 query
-# at S_q = 1 would take its own (fp8_attention_kernel, which the other tests take): long and
-# ragged lengths, split counts, block sizes, a NaN inside a length.
+# at S_q = 1 on sm_90), ds16 (fp8_ds_mla at S_q = 1 with f16 MMAs), and mma, the general kernel
+# where the plain fp8 cache under an E4M3 query at S_q = 1 would take its own
+# (fp8_attention_kernel, which the other tests take): long and ragged lengths, split counts, block
+# sizes, a NaN inside a length.
 WGMMA_CASES = {
     "long": dict(lens=(5000, 1, 0, 2049, 77), heads=16, block_size=64),
     "one split": dict(lens=(700, 64, 1, 0, 129), heads=20, num_splits=1),
@@ -265,7 +266,14 @@ WGMMA_CASES = {
 }
 
 
-KERNEL_CHOICES = [("wgmma", *f) for f in FORMATS if f[0] != "bf16"] + [("mma", "fp8", "float8_e4m3fn")]
+# ds_attention_kernel is written and compiled but has not yet run on a GPU: its cases may fail there
+# until a device session has run them (docs/DECODE_ATTENTION.md, Eleventh round), then the mark goes.
+NOT_YET_RUN = pytest.mark.xfail(reason="ds_attention_kernel: not yet run on a GPU", strict=False)
+KERNEL_CHOICES = (
+    [("wgmma", *f) for f in FORMATS if f[0] != "bf16"]
+    + [pytest.param("ds16", *f, marks=NOT_YET_RUN) for f in FORMATS if f[0] == "fp8_ds_mla"]
+    + [("mma", "fp8", "float8_e4m3fn")]
+)
 
 
 @pytest.mark.cuda

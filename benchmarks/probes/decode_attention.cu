@@ -1,8 +1,8 @@
 // The mla_decode_attention CUDA kernels (ffi/cuda/decode_attention_cuda.cu, included as it is)
 // alone on a GPU, without building the extension: for the 1-byte formats, the kernel each
 // JAX_KIMI_MLA_DECODE_KERNEL choice takes (mma: attention_kernel; unset: the default, which for
-// plain fp8 under an E4M3 q is fp8_attention_kernel; wgmma) on the same inputs, each against the
-// first, timed at the benchmark's memory-bound size and at B = 1, so that a kernel change can be
+// plain fp8 under an E4M3 q is fp8_attention_kernel; ds16: ds_attention_kernel for fp8_ds_mla;
+// wgmma) on the same inputs, each against the first, timed at the benchmark's memory-bound size and at B = 1, so that a kernel change can be
 // judged in one short device call. The tests of
 // tests/test_decode_attention.py remain the correctness reference; this only guards against
 // timing a broken build. With -DJKM_WG_TRACE the wgmma kernel's roles stamp clock64 at each phase
@@ -136,12 +136,16 @@ int run_case(const Case& k, std::mt19937& rng) {
   a.out = d_out, a.lse = d_lse, a.partials = k.splits > 1 ? d_partials : nullptr, a.num_splits = k.splits;
 
   // The kernels by JAX_KIMI_MLA_DECODE_KERNEL: attention_kernel (forced), the default (for plain
-  // fp8 under an E4M3 q, fp8_attention_kernel), the wgmma kernel; each against the first.
-  const char* kernels[3] = {"mma", nullptr, "wgmma"};
-  std::vector<uint16_t> out[3];
-  std::vector<float> lse[3];
-  float us[3];
-  for (int kernel = 0; kernel < 3; ++kernel) {
+  // fp8 under an E4M3 q, fp8_attention_kernel), ds16 (for fp8_ds_mla, ds_attention_kernel; else
+  // the default), the wgmma kernel; each against the first.
+  constexpr int kKernels = 4;
+  const char* kernels[kKernels] = {"mma", nullptr, "ds16", "wgmma"};
+  // ds16 has not yet run on a GPU: reported, not yet a reason to fail (docs/DECODE_ATTENTION.md).
+  const bool judged[kKernels] = {true, true, false, true};
+  std::vector<uint16_t> out[kKernels];
+  std::vector<float> lse[kKernels];
+  float us[kKernels];
+  for (int kernel = 0; kernel < kKernels; ++kernel) {
     if (kernels[kernel] != nullptr) setenv("JAX_KIMI_MLA_DECODE_KERNEL", kernels[kernel], 1);
     else unsetenv("JAX_KIMI_MLA_DECODE_KERNEL");
     cudaMemset(d_out, 0xFF, out_elems * 2);
@@ -172,7 +176,7 @@ int run_case(const Case& k, std::mt19937& rng) {
   bool agree = true;
   std::printf("%s B %d context %d H %d splits %d:", fp8 ? "fp8       " : "fp8_ds_mla", k.batch, k.context, k.heads,
               k.splits);
-  for (int kernel = 0; kernel < 3; ++kernel) {
+  for (int kernel = 0; kernel < kKernels; ++kernel) {
     double worst = 0, size = 0, lse_worst = 0;
     for (int64_t i = 0; i < out_elems; ++i) {
       const float x = bf16_to_f32(out[kernel][i]), y = bf16_to_f32(out[0][i]);
@@ -181,7 +185,7 @@ int run_case(const Case& k, std::mt19937& rng) {
     }
     for (size_t i = 0; i < lse[0].size(); ++i) lse_worst = std::fmax(lse_worst, std::fabs(lse[kernel][i] - lse[0][i]));
     const bool same = worst <= 2e-2 * (1 + size) && lse_worst <= 1e-2;
-    agree = agree && same;
+    agree = agree && (same || !judged[kernel]);
     std::printf(" %s %.2f us (%.0f GB/s, %.2f us a tile%s%s, max |diff| %.3g, lse %.3g);",
                 kernels[kernel] ? kernels[kernel] : "default", us[kernel], bytes / (us[kernel] * 1e3),
                 us[kernel] / tiles_per_cta, kernel == 0 ? "" : ", ", kernel == 0 ? "" : same ? "agrees" : "DIFFERS",

@@ -74,8 +74,10 @@
 // 1b. fp8_attention_kernel (the default for the plain fp8 cache under an E4M3 query at S_q = 1),
 //    in place of attention_kernel: the same CTA and phases, but P.V reads the raw codes and
 //    converts them in registers, so no converted V tile is written or read (its section below).
-// 1c. wgmma_attention_kernel (opt-in, JAX_KIMI_MLA_DECODE_KERNEL=wgmma; sm_90, the 1-byte formats,
-//    S_q = 1), in place of the two above: warp roles handing tiles over by mbarriers, wgmma
+// 1c. ds_attention_kernel (opt-in, JAX_KIMI_MLA_DECODE_KERNEL=ds16; fp8_ds_mla at S_q = 1): the
+//    same for fp8_ds_mla on f16 MMAs, the tile scales out of the MMAs. Written, not yet run.
+// 1d. wgmma_attention_kernel (opt-in, JAX_KIMI_MLA_DECODE_KERNEL=wgmma; sm_90, the 1-byte formats,
+//    S_q = 1), in place of the others: warp roles handing tiles over by mbarriers, wgmma
 //    with the tokens as M. Correct, still slower (its section below).
 // 2. combine_kernel (num_splits > 1 only), one CTA per (row, sequence), 16 warps when the rows
 //    are fewer than twice the SMs (a row's splits loaded in one round), else 4: the live splits
@@ -794,13 +796,11 @@ struct RowStats {
 
 __device__ __forceinline__ int softmax_row(const Lane& t) { return 2 * t.warp + t.lane / 16; }
 
-// Returns the row's alpha.
-template <ActType kElem, int kPRowBytes>
-__device__ __forceinline__ float softmax_rows(const Lane& t, const float* scores, uint8_t* p_tile, RowState& state,
-                                              RowStats& stats) {
+// The online softmax's step for this lane's row over the tile: its 4 probabilities (positions
+// 4 (lane % 16) ..) into e, the row's state updated; returns the row's alpha.
+__device__ __forceinline__ float online_softmax(const Lane& t, const float* scores, RowState& state, float (&e)[4]) {
   static_assert(kWarps * 2 == kTileRows && kTileTokens == 16 * 4, "2 rows per warp, 4 tokens per lane");
-  const int row = softmax_row(t), token = 4 * (t.lane % 16);
-  const float* logits = scores + row * kScoreStride + token;
+  const float* logits = scores + softmax_row(t) * kScoreStride + 4 * (t.lane % 16);
   const float4 a = *reinterpret_cast<const float4*>(logits);
   const float4 b = *reinterpret_cast<const float4*>(logits + kTileRows * kScoreStride);
   const float logit[4] = {a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w};
@@ -813,10 +813,19 @@ __device__ __forceinline__ float softmax_rows(const Lane& t, const float* scores
   const float offset = new_max == -INFINITY ? 0.0f : new_max;
   const float alpha = exp2f(state.max - offset);
   state.max = new_max;
-  float e[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) e[i] = exp2f(logit[i] - offset);
   state.sum = state.sum * alpha + ((e[0] + e[1]) + (e[2] + e[3]));
+  return alpha;
+}
+
+// Returns the row's alpha.
+template <ActType kElem, int kPRowBytes>
+__device__ __forceinline__ float softmax_rows(const Lane& t, const float* scores, uint8_t* p_tile, RowState& state,
+                                              RowStats& stats) {
+  const int row = softmax_row(t), token = 4 * (t.lane % 16);
+  float e[4];
+  const float alpha = online_softmax(t, scores, state, e);
   __syncwarp();  // every lane of the row has read its logits before P (may) overwrite them
   *reinterpret_cast<uint2*>(p_tile + row * kPRowBytes + 2 * token) =
       make_uint2(pack_elems<kElem>(e[0], e[1]), pack_elems<kElem>(e[2], e[3]));
@@ -934,17 +943,19 @@ __device__ __forceinline__ void store_out_piece(const DecodeAttention& a, int64_
 
 // kFp8Columns: the fragments of fp8_attention_kernel's P.V, whose out[i][2h + e] is column 16c + 8e + i
 // of the warp's 64 (else out[n][2h + e] is column 8n + 2c + e).
+// unit: null, or the unit of this warp's out per row (ds_attention_kernel's R).
 template <bool kFp8Columns = false>
 __device__ __forceinline__ void write_rows(const DecodeAttention& a, const Work& w, const Lane& t,
                                            const Scales& scales, const RowStats& stats,
-                                           const float (&out)[kOutBlocks][4], float* staging) {
+                                           const float (&out)[kOutBlocks][4], float* staging,
+                                           const float* unit = nullptr) {
   const int64_t rows = a.rows();
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = t.g + 8 * h;
     const float sum = stats.sum[row];
     const bool empty = sum == 0.0f;  // saw no visible unmasked token; a NaN sum is not empty
-    const float norm = empty ? 0.0f : scales.out / sum;
+    const float norm = empty ? 0.0f : (unit != nullptr ? unit[row] : 1.0f) * scales.out / sum;
     float* dst = staging + row * kStagingStride + t.warp * kColsPerWarp;
     if constexpr (kFp8Columns) {
 #pragma unroll
@@ -1215,8 +1226,10 @@ __device__ __forceinline__ uint32_t e4m3x2_half_to_f16x2(uint32_t x) {
 #endif
 }
 
-// out[16 x this warp's 64 columns] += P[16 x 64] V[64 x 64], V from the raw tile (the comment
-// above): k-step k, B rows 2c, 2c + 1, 2c + 8, 2c + 9 are tokens 16k + fp8_token of those.
+// out[16 x this warp's 64 columns] += P[16 x 64] V[64 x 64], V the codes of a raw tile of
+// kEntryBytes rows (the comment above): k-step k, B rows 2c, 2c + 1, 2c + 8, 2c + 9 are tokens
+// 16k + fp8_token of those.
+template <int kEntryBytes = kEntry>
 __device__ __forceinline__ void pv_accumulate_fp8(const Lane& t, const uint32_t (&p)[kPvSteps][4], const uint8_t* raw,
                                                   float (&out)[kOutBlocks][4]) {
   const uint8_t* base = raw + kColsPerWarp * t.warp + 8 * t.g;
@@ -1226,7 +1239,7 @@ __device__ __forceinline__ void pv_accumulate_fp8(const Lane& t, const uint32_t 
     uint2 w[4];
 #pragma unroll
     for (int x = 0; x < 4; ++x)
-      w[x] = *reinterpret_cast<const uint2*>(base + (16 * k + fp8_token(kk[x])) * kEntry);
+      w[x] = *reinterpret_cast<const uint2*>(base + (16 * k + fp8_token(kk[x])) * kEntryBytes);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // columns 8g + 4h .. + 3: n-blocks 4h .. 4h + 3
       const uint32_t r0 = h ? w[0].y : w[0].x, r1 = h ? w[1].y : w[1].x;
@@ -1353,6 +1366,339 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_attention_kernel(const Decode
   extern __shared__ __align__(1024) uint8_t smem[];
   const Scales scales = load_scales<CacheFormat::kFp8>(a);
   for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) attend_fp8(a, b, scales, smem);
+}
+
+// ---- fp8_ds_mla in f16: the tile scales out of the MMAs, P.V from the raw codes (opt-in) ----
+//
+// ds_attention_kernel (JAX_KIMI_MLA_DECODE_KERNEL=ds16; fp8_ds_mla at S_q = 1, sm_89+ fp8
+// conversion) is fp8_attention_kernel for fp8_ds_mla: its latent codes become exact f16 values in
+// hardware, as plain fp8's do, where attention_kernel builds bf16 values by bit placement and
+// multiplies each by its tile scale. The scales leave the MMAs:
+// - QK^T: the latent q, in f16 after a per-row power-of-two prescale (its largest latent value
+//   then lies in [2^14, 2^15): exact for every value within 2^29 of it), times the raw codes in
+//   f16, one accumulator per 128-column scale tile; each tile's partial logits are multiplied by
+//   the token's scale and the row's unscale in float32. The 64 k_pe columns are a bf16 MMA of
+//   their own (bf16 q_pe times the raw bf16 k_pe: no conversion).
+// - P.V: warp w's 64 output columns lie in scale tile t = w / 2, so the scale goes into P: warp w
+//   multiplies P'_t = f16(p s_t / R_t) by the raw codes in f16 (pv_accumulate_fp8), R_t a power
+//   of two per row and tile near the row's largest p s_t over the tile's tokens (so that the
+//   largest terms keep f16's 11 bits: benchmarks/probes/ds_mla_pv_precision.py), and out is
+//   carried in units of R_t, rescaled with alpha x R_old / R_new. The softmax writes the four P'.
+// Written and compiled, not yet run on a GPU (docs/DECODE_ATTENTION.md, Eleventh round): opt-in
+// until its tests pass on the H200 and it is measured.
+constexpr int kDsStages = 4;
+constexpr int kScaleTiles = kLatent / kDsMlaTile;  // 4
+static_assert(kWarps == 2 * kScaleTiles, "two warps' output columns per scale tile");
+
+// The per-row values: the softmax's, with out's rescale factor and its unit R per scale tile, and
+// the f16 prescale of q.
+struct DsStats {
+  RowStats rows;                         // the rows' max and sum at the end (alpha unused)
+  float factor[kScaleTiles][kTileRows];  // alpha x R_old / R_new of the last tile
+  float unit[kScaleTiles][kTileRows];    // R after the last tile
+  float q_unscale[kTileRows];            // 2^k: the row's latent q was stored times 2^-k
+  int q_max_bits[kTileRows];             // the row's largest |latent q| (float bits), for the prescale
+};
+
+struct DsLayout {
+  static constexpr int kStageBytes = kTileTokens * kDsMlaEntryBytes;
+  static constexpr int kPRowBytes = 2 * kTileTokens + 16;
+  static constexpr int kPBytes = kTileRows * kPRowBytes;                          // one P'_t
+  static constexpr int kRaw = 0;                                                  // [kDsStages][64][656]
+  static constexpr int kScores = kRaw + kDsStages * kStageBytes;                  // float [half][16][kScoreStride]
+  static constexpr int kP = kScores + kColumnHalves * kTileRows * kScoreStride * 4;  // [tile][16][kPRowBytes]
+  static constexpr int kEntries = kP + kScaleTiles * kPBytes;                     // int64 [kDsStages][64]
+  static constexpr int kBarriers = kEntries + kDsStages * kTileTokens * 8;        // uint64 [kDsStages]
+  static constexpr int kStats = kBarriers + 8 * kDsStages;                        // DsStats
+  static constexpr int kQ = kStats + (int(sizeof(DsStats)) + 15) / 16 * 16;      // [16][kRowBytes]
+  static constexpr int kBytes = kQ + kTileRows * kRowBytes;
+  static_assert(kStageBytes % 16 == 0 && kScores % 16 == 0 && kP % 16 == 0 && kEntries % 16 == 0 && kQ % 16 == 0);
+  static_assert(kBytes <= 232448, "more than sm_90's 227 KB of shared memory per block");
+  static_assert(kThreads >= kDsStages * kTileTokens, "the prologue gives one thread to each token");
+  static_assert(kDsStages * kStageBytes >= kTileRows * kStagingStride * int(sizeof(float)),
+                "the output rows are staged over the stages");
+};
+
+// The query tile: fetch_q's chunks, the latent ones (chunks 0-63 of a row) as f16 times the row's
+// prescale, the k_pe ones as bf16, at mma_column<kFp8DsMla>. Two steps around a barrier: the rows'
+// largest latent values first (ds_q_row_max), then the tile (ds_store_q).
+__device__ __forceinline__ float chunk_elem(const DecodeAttention& a, uint32_t word, int half) {
+  const uint16_t h = uint16_t(word >> (16 * half));
+  return a.q_type == QType::kF16 ? __half2float(__ushort_as_half(h)) : bf16_to_f32(h);
+}
+
+__device__ __forceinline__ void ds_q_row_max(const DecodeAttention& a, const uint4 (&fetched)[kQChunksPerThread],
+                                             DsStats& stats) {
+  constexpr int kChunksPerRow = kEntry / 8;
+#pragma unroll
+  for (int i = 0; i < kQChunksPerThread; ++i) {
+    const int c = int(threadIdx.x) + i * kThreads, r = c / kChunksPerRow;
+    if (c >= kQChunks) break;
+    if (c - r * kChunksPerRow >= kLatent / 8) continue;  // k_pe: no prescale
+    const uint32_t words[4] = {fetched[i].x, fetched[i].y, fetched[i].z, fetched[i].w};
+    float m = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(chunk_elem(a, words[j / 2], j % 2)));  // NaN skipped
+    atomicMax(&stats.q_max_bits[r], __float_as_int(m));  // nonnegative floats order as their bits
+  }
+}
+
+__device__ __forceinline__ void ds_store_q(const DecodeAttention& a, const uint4 (&fetched)[kQChunksPerThread],
+                                           const DsStats& stats, uint8_t* q_tile) {
+  constexpr int kChunksPerRow = kEntry / 8;
+#pragma unroll
+  for (int i = 0; i < kQChunksPerThread; ++i) {
+    const int c = int(threadIdx.x) + i * kThreads, r = c / kChunksPerRow, chunk = c - r * kChunksPerRow;
+    if (c >= kQChunks) break;
+    const uint32_t words[4] = {fetched[i].x, fetched[i].y, fetched[i].z, fetched[i].w};
+    uint32_t pairs[4];
+    if (chunk < kLatent / 8) {
+      const float prescale = 1.0f / stats.q_unscale[r];  // a power of two: exact
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        pairs[j] = pack_elems<ActType::kF16>(chunk_elem(a, words[j], 0) * prescale, chunk_elem(a, words[j], 1) * prescale);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        pairs[j] = a.q_type == QType::kF16 ? pack_elems<ActType::kBF16>(chunk_elem(a, words[j], 0), chunk_elem(a, words[j], 1))
+                                           : words[j];
+    }
+    uint8_t* q_row = q_tile + r * kRowBytes;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      *reinterpret_cast<uint32_t*>(q_row + 2 * mma_column<CacheFormat::kFp8DsMla>(chunk * 8 + 2 * j)) = pairs[j];
+  }
+}
+
+// Partial QK^T of the 16 rows x this warp's 16 tokens (fp8_token order) over 64-column blocks
+// [kFirstBlock, kFirstBlock + kBlocks) of a raw ds_mla tile: acc[k][n] for the half's scale tile
+// k (blocks 2k, 2k + 1 of the half), acc[2][n] for k_pe (block 8), unscaled.
+template <int kFirstBlock, int kBlocks, int kQSteps>
+__device__ __forceinline__ void qk_tile_ds(const Lane& t, const uint32_t (&q)[kQSteps][4], const uint8_t* raw,
+                                           float (&acc)[3][2][4]) {
+  const uint8_t* row[2];
+#pragma unroll
+  for (int n = 0; n < 2; ++n)
+    row[n] = raw + (t.group * kTokensPerGroup + fp8_token(8 * n + t.g)) * kDsMlaEntryBytes;
+#pragma unroll
+  for (int jj = 0; jj < kBlocks; ++jj) {
+    const int j = kFirstBlock + jj;
+    uint32_t b[2][8];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      if (j == kLatent / 64) {  // k_pe: bf16 already
+        const uint4 lo = *reinterpret_cast<const uint4*>(row[n] + kDsMlaPeOffset + 16 * t.c);
+        const uint4 hi = *reinterpret_cast<const uint4*>(row[n] + kDsMlaPeOffset + 64 + 16 * t.c);
+        b[n][0] = lo.x, b[n][1] = lo.y, b[n][2] = lo.z, b[n][3] = lo.w;
+        b[n][4] = hi.x, b[n][5] = hi.y, b[n][6] = hi.z, b[n][7] = hi.w;
+      } else {
+        const uint4 codes = *reinterpret_cast<const uint4*>(row[n] + 64 * j + 16 * t.c);
+        const uint4 lo = e4m3x8_placed<ActType::kF16>(make_uint2(codes.x, codes.y));
+        const uint4 hi = e4m3x8_placed<ActType::kF16>(make_uint2(codes.z, codes.w));
+        b[n][0] = lo.x, b[n][1] = lo.y, b[n][2] = lo.z, b[n][3] = lo.w;
+        b[n][4] = hi.x, b[n][5] = hi.y, b[n][6] = hi.z, b[n][7] = hi.w;
+      }
+    }
+    const int k = j == kLatent / 64 ? 2 : jj / 2;
+#pragma unroll
+    for (int s = 0; s < 4; ++s)
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        if (j == kLatent / 64)
+          mma_16816<ActType::kBF16>(acc[k][n], q[4 * jj + s], b[n][2 * s], b[n][2 * s + 1]);
+        else
+          mma_16816<ActType::kF16>(acc[k][n], q[4 * jj + s], b[n][2 * s], b[n][2 * s + 1]);
+      }
+  }
+}
+
+// The half's partial logits in write_logits' form (chain 1 zero): the scale tiles' partials times
+// their tokens' scales and the rows' unscale, plus k_pe's. Lane (g, c) holds positions 8n + 2c + e
+// of its group: tokens + (e ^ (c & 1)) (fp8_token).
+__device__ __forceinline__ void ds_combine_logits(const Lane& t, const uint8_t* raw, const float (&acc)[3][2][4],
+                                                  const float (&unscale)[2], float (&logits)[2][2][4]) {
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    float2 sc[2];  // the half's two tile scales of the tokens of e = 0, 1
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int token = t.group * kTokensPerGroup + 8 * n + 2 * t.c + (e ^ (t.c & 1));
+      sc[e] = *reinterpret_cast<const float2*>(raw + token * kDsMlaEntryBytes + kDsMlaScaleOffset + 8 * t.half);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 s = sc[i & 1];
+      const float latent = fmaf(acc[0][n][i], s.x, acc[1][n][i] * s.y) * unscale[i >> 1];
+      logits[n][0][i] = t.half == 1 ? latent + acc[2][n][i] : latent;
+      logits[n][1][i] = 0.0f;
+    }
+  }
+}
+
+// The exponent field of a nonnegative float (0 for zero and subnormals).
+__device__ __forceinline__ uint32_t exponent_of(float x) { return (__float_as_uint(x) >> 23) & 0xFFu; }
+
+// softmax_rows for ds_attention_kernel: the row's probabilities p, and from them, per scale tile t,
+// P'_t = f16(p s_t / R_t) (the four P' tiles) with R_t = 2^(E_t - 127), E_t the largest exponent field
+// of p s_t over the row's 64 tokens (the last tile's where every p s_t is 0). `units` holds the
+// row's E_t of the last tile in its four bytes (127 at the start: R = 1). Returns whether some
+// factor of the row is not 1.
+__device__ __forceinline__ bool ds_softmax_rows(const Lane& t, const float* scores, const uint8_t* raw,
+                                                uint8_t* p_tiles, RowState& state, uint32_t& units, DsStats& stats) {
+  const int row = softmax_row(t), position = 4 * (t.lane % 16);
+  float e[4];
+  const float alpha = online_softmax(t, scores, state, e);
+  // The scales of the 4 tokens (positions 4m .. 4m + 3: fp8_token) and p s_t.
+  float ps[4][kScaleTiles];
+  uint32_t local = 0;  // byte t: the largest exponent of this lane's p s_t
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int kk = position + i, token = kk / 16 * 16 + fp8_token(kk % 16);
+    const float4 s = *reinterpret_cast<const float4*>(raw + token * kDsMlaEntryBytes + kDsMlaScaleOffset);
+    ps[i][0] = e[i] * s.x, ps[i][1] = e[i] * s.y, ps[i][2] = e[i] * s.z, ps[i][3] = e[i] * s.w;
+#pragma unroll
+    for (int k = 0; k < kScaleTiles; ++k) {
+      const uint32_t x = exponent_of(fmaxf(ps[i][k], 0.0f)) << (8 * k);  // NaN: 0 (fmaxf skips it)
+      local = __vmaxu4(local, x);
+    }
+  }
+#pragma unroll
+  for (int m = 8; m > 0; m /= 2) local = __vmaxu4(local, __shfl_xor_sync(0xFFFFFFFFu, local, m));
+  bool changed = alpha != 1.0f;
+#pragma unroll
+  for (int k = 0; k < kScaleTiles; ++k) {
+    const uint32_t exp_old = (units >> (8 * k)) & 0xFFu;
+    uint32_t exp_new = (local >> (8 * k)) & 0xFFu;
+    exp_new = exp_new == 0 ? exp_old : exp_new > 253u ? 253u : exp_new;  // R kept where every p s_t is 0
+    const float inv_r = __uint_as_float((254u - exp_new) << 23);  // 1 / 2^(E - 127), exact
+    *reinterpret_cast<uint2*>(p_tiles + k * DsLayout::kPBytes + row * DsLayout::kPRowBytes + 2 * position) =
+        make_uint2(pack_elems<ActType::kF16>(ps[0][k] * inv_r, ps[1][k] * inv_r),
+                   pack_elems<ActType::kF16>(ps[2][k] * inv_r, ps[3][k] * inv_r));
+    const float factor = ldexpf(alpha, int(exp_old) - int(exp_new));
+    changed = changed || exp_new != exp_old;
+    if (t.lane % 16 == 0) stats.factor[k][row] = factor, stats.unit[k][row] = __uint_as_float(exp_new << 23);
+    units = (units & ~(0xFFu << (8 * k))) | (exp_new << (8 * k));
+  }
+  return changed;
+}
+
+// One CTA's work for sequence b (attend_fp8's, for fp8_ds_mla).
+__device__ void attend_ds(const DecodeAttention& a, int64_t b, const Scales& scales, uint8_t* smem) {
+  using L = DsLayout;
+  const int64_t len = a.context_len(b);
+  Work w;
+  w.b = b;
+  w.row0 = int64_t(blockIdx.y) * kTileRows;
+  const int64_t split_tokens = a.split_tokens(len);
+  w.first = int(blockIdx.x) * split_tokens;
+  if (a.num_splits > 1 && w.first >= len) return;  // not a live split: the combine skips it
+  w.load_end = min64(w.first + split_tokens, len);
+  w.n_tiles = w.load_end > w.first ? (w.load_end - w.first + kTileTokens - 1) / kTileTokens : 0;
+
+  Lane t;
+  t.warp = int(threadIdx.x) / 32, t.lane = int(threadIdx.x) % 32;
+  t.g = t.lane / 4, t.c = t.lane % 4;
+  t.half = t.warp / kTokenGroups, t.group = t.warp % kTokenGroups;
+  t.visible[0] = t.visible[1] = len;  // S_q = 1
+
+  uint8_t* raw = smem + L::kRaw;
+  uint8_t* q_tile = smem + L::kQ;
+  float* scores = reinterpret_cast<float*>(smem + L::kScores);
+  uint8_t* p_tiles = smem + L::kP;
+  int64_t* tile_rows = reinterpret_cast<int64_t*>(smem + L::kEntries);
+  uint64_t* stage_full = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
+  DsStats& stats = *reinterpret_cast<DsStats*>(smem + L::kStats);
+  const auto stage = [&](int s) { return raw + s * L::kStageBytes; };
+  const auto issue = [&](int s) {
+    if (threadIdx.x < kTileTokens)
+      issue_raw_tile<CacheFormat::kFp8DsMla>(a, tile_rows[s * kTileTokens + threadIdx.x], stage(s), stage_full + s);
+  };
+
+  __syncthreads();  // this CTA's previous sequence is done with the shared memory
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kDsStages; ++s) mbarrier_init(stage_full + s, kTileTokens);
+    mbarrier_init_fence();
+  }
+  if (threadIdx.x < kTileRows) stats.q_max_bits[threadIdx.x] = 0;
+  uint4 q_fetched[kQChunksPerThread];
+  fetch_q<ActType::kBF16>(a, b, w.row0, q_fetched);
+  if (threadIdx.x < kDsStages * kTileTokens)
+    tile_rows[threadIdx.x] = tile_token_row(a, w, threadIdx.x / kTileTokens, threadIdx.x % kTileTokens);
+  __syncthreads();  // the rows of the first tiles, the mbarriers and the zeroed maxima are ready
+#pragma unroll
+  for (int s = 0; s < kDsStages; ++s)
+    if (s < w.n_tiles) issue(s);
+  ds_q_row_max(a, q_fetched, stats);
+  __syncthreads();
+  if (threadIdx.x < kTileRows) {  // the prescale 2^-k puts the row's largest latent value in [2^14, 2^15)
+    const uint32_t e = exponent_of(__int_as_float(stats.q_max_bits[threadIdx.x]));
+    stats.q_unscale[threadIdx.x] = e == 0 || e == 0xFF ? 1.0f : ldexpf(1.0f, max(int(e) - 127 - 14, -126));
+  }
+  __syncthreads();
+  ds_store_q(a, q_fetched, stats, q_tile);
+  __syncthreads();  // the query tile is complete
+  using QL = Layout<CacheFormat::kFp8DsMla>;  // its column halves and Q fragments are attention_kernel's
+  constexpr int kHalfBlock = QL::kHalfStep / 4;
+  uint32_t q[QL::kQSteps][4];
+  if (t.half == 0)
+    load_q_fragments<0, QL::kHalfStep>(t, q_tile, q);
+  else
+    load_q_fragments<QL::kHalfStep, kQkSteps - QL::kHalfStep>(t, q_tile, q);
+  const float unscale[2] = {stats.q_unscale[t.g], stats.q_unscale[t.g + 8]};
+  uint32_t parity = 0;
+
+  float out[kOutBlocks][4] = {};
+  RowState state;
+  uint32_t units = 0x7F7F7F7Fu;  // R_t = 1 for every scale tile
+  const int scale_tile = t.warp / 2;
+  const int lookup_token = int(threadIdx.x) - kTileTokens;
+  const bool looks_up = lookup_token >= 0 && lookup_token < kTileTokens;
+  int slot = 0;
+  bool rescale = false;
+  for (int64_t tile = 0;; ++tile) {
+    const int prev = (slot + kDsStages - 1) % kDsStages, before = (slot + kDsStages - 2) % kDsStages;
+    if (tile >= 2 && tile + 2 < w.n_tiles) issue(before);
+    if (tile > 0) {  // out += P'_t V of tile - 1, after out *= its factors
+      if (rescale) {
+        const float factor[2] = {stats.factor[scale_tile][t.g], stats.factor[scale_tile][t.g + 8]};
+#pragma unroll
+        for (int n = 0; n < kOutBlocks; ++n)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) out[n][i] *= factor[i >> 1];
+      }
+      uint32_t p[kPvSteps][4];
+      load_p_fragments<L::kPRowBytes>(t, p_tiles + scale_tile * L::kPBytes, p);
+      pv_accumulate_fp8<kDsMlaEntryBytes>(t, p, stage(prev), out);
+    }
+    if (tile == w.n_tiles) break;
+    mbarrier_wait(stage_full + slot, (parity >> slot) & 1);
+    parity ^= 1u << slot;
+    const int64_t row_ahead = looks_up ? tile_token_row(a, w, tile + kDsStages, lookup_token) : -1;
+    float acc[3][2][4] = {};
+    if (t.half == 0)
+      qk_tile_ds<0, kHalfBlock, QL::kQSteps>(t, q, stage(slot), acc);
+    else
+      qk_tile_ds<kHalfBlock, kEntry / 64 - kHalfBlock, QL::kQSteps>(t, q, stage(slot), acc);
+    float logits[2][2][4];
+    ds_combine_logits(t, stage(slot), acc, unscale, logits);
+    const uint32_t no_nan[2] = {0, 0};  // the f16 conversion keeps NaN
+    write_logits(t, logits, no_nan, tile_rows + slot * kTileTokens, w.first + tile * kTileTokens, scales.logit,
+                 scores + t.half * kTileRows * kScoreStride, t.c & 1);
+    __syncthreads();  // the logits are complete; P.V of tile - 1 is done with the P' tiles and its stage
+    if (looks_up) tile_rows[slot * kTileTokens + lookup_token] = row_ahead;
+    const bool changed = ds_softmax_rows(t, scores, stage(slot), p_tiles, state, units, stats);
+    rescale = __syncthreads_or(changed);  // the P' tiles and the factors are complete
+    slot = slot + 1 == kDsStages ? 0 : slot + 1;
+  }
+  publish_row_state(t, state, stats.rows);
+  __syncthreads();
+  write_rows<true>(a, w, t, scales, stats.rows, out, reinterpret_cast<float*>(raw), stats.unit[scale_tile]);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) ds_attention_kernel(const DecodeAttention a) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  const Scales scales = load_scales<CacheFormat::kFp8DsMla>(a);
+  for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) attend_ds(a, b, scales, smem);
 }
 
 // One CTA per (query row, sequence): out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max lse)
@@ -2023,14 +2369,15 @@ ffi::Error launch_wgmma_attention(cudaStream_t stream, const DecodeAttention& a,
   return ffi::Error::Success();
 }
 
-ffi::Error launch_fp8_attention(cudaStream_t stream, const DecodeAttention& a, dim3 grid) {
-  constexpr int kBytes = Fp8Layout::kBytes;
-  const cudaError_t err = cudaFuncSetAttribute(fp8_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+// fp8_attention_kernel or ds_attention_kernel (their only argument is the call).
+ffi::Error launch_raw_attention(cudaStream_t stream, const DecodeAttention& a, dim3 grid, void (*kernel)(DecodeAttention),
+                                int bytes) {
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) {
-    const std::string what = "allowing " + std::to_string(kBytes) + " bytes of shared memory per block";
+    const std::string what = "allowing " + std::to_string(bytes) + " bytes of shared memory per block";
     return cuda_error(what.c_str(), err);
   }
-  fp8_attention_kernel<<<grid, kThreads, kBytes, stream>>>(a);
+  kernel<<<grid, kThreads, bytes, stream>>>(a);
   return ffi::Error::Success();
 }
 
@@ -2039,11 +2386,13 @@ ffi::Error launch_fp8_attention(cudaStream_t stream, const DecodeAttention& a, d
 // - fp8_attention_kernel (the default where it applies): the plain fp8 cache under an E4M3 query
 //   at S_q = 1, in a build that has the sm_89+ fp8 conversion (not JAX_KIMI_MLA_SOFTWARE_FP8).
 //   "mma" asks for attention_kernel instead.
+// - ds_attention_kernel ("ds16"): fp8_ds_mla at S_q = 1, in a build with the sm_89+ fp8
+//   conversion. Written and compiled, not yet run on a GPU: never the default.
 // - wgmma_attention_kernel ("wgmma"): the 1-byte formats at S_q = 1 on an sm_90 GPU (wgmma is
 //   sm_90a's). Correct but slower than the others on the H200 (docs/DECODE_ATTENTION.md, "Ninth
 //   round"), so never the default.
 // - attention_kernel: everything else.
-enum class DecodeKernel { kMma, kFp8, kWgmma };
+enum class DecodeKernel { kMma, kFp8, kDs, kWgmma };
 
 #ifdef JKM_SOFTWARE_FP8
 constexpr bool kFp8KernelBuilt = false;
@@ -2059,6 +2408,8 @@ DecodeKernel choose_kernel(const DecodeAttention& a, int major) {
   if (choice != "mma" && kFp8KernelBuilt && a.cache_format == CacheFormat::kFp8 && a.q_type == QType::kE4m3 &&
       a.q_tokens == 1)
     return DecodeKernel::kFp8;
+  if (choice == "ds16" && kFp8KernelBuilt && a.cache_format == CacheFormat::kFp8DsMla && a.q_tokens == 1)
+    return DecodeKernel::kDs;
   return DecodeKernel::kMma;
 }
 
@@ -2091,7 +2442,9 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a) {
   ffi::Error err = ffi::Error::Success();
   const DecodeKernel kernel = choose_kernel(a, major);
   if (kernel == DecodeKernel::kFp8) {
-    err = launch_fp8_attention(stream, a, grid);
+    err = launch_raw_attention(stream, a, grid, fp8_attention_kernel, Fp8Layout::kBytes);
+  } else if (kernel == DecodeKernel::kDs) {
+    err = launch_raw_attention(stream, a, grid, ds_attention_kernel, DsLayout::kBytes);
   } else if (kernel == DecodeKernel::kWgmma) {
     err = a.cache_format == CacheFormat::kFp8DsMla
               ? launch_wgmma_attention<CacheFormat::kFp8DsMla, ActType::kBF16>(stream, a, grid)
