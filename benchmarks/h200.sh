@@ -4,7 +4,7 @@
 #   bash benchmarks/h200.sh [build] [test] [attn-test] [sanitize] [attn-sanitize] [selfcheck]
 #                           [bench] [bench-quick] [attn-bench] [attn-bench-quick] [prefill-test]
 #                           [prefill-bench] [prefill-bench-quick] [serve-h200] [ncu] [attn-ncu]
-#                           [soft-fp8] [wheel] [gather-probe]
+#                           [soft-fp8] [wheel] [gather-probe] [attn-probe]
 # Logs and a tarball of benchmarks/results go to $OUT (or ./h200-out).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -138,6 +138,15 @@ for s in $stages; do
       stage gather-probe-production-again "$bin/production"
       stage gather-probe-memcheck compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 10 \
         "$bin/bulk" --check-only ;;
+    attn-probe)
+      # The decode attention kernels alone (no extension build): every JAX_KIMI_MLA_DECODE_KERNEL
+      # choice on the same inputs, each against attention_kernel, timed at B 64 x 16k and B = 1
+      # (benchmarks/probes/decode_attention.cu).
+      inc=(-I ffi/include -I "$(python3 -c 'import jax.ffi; print(jax.ffi.include_dir())')")
+      bin=$(mktemp -d)
+      nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a "${inc[@]}" -o "$bin/attn" \
+        benchmarks/probes/decode_attention.cu 2>&1 | grep -E " error"
+      stage attn-probe "$bin/attn" ;;
     *) echo "unknown stage $s"; status=1 ;;
   esac
 done
