@@ -109,6 +109,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "jax_kimi_mla/decode_attention.h"
 #include "sm90_copy.cuh"
@@ -685,7 +686,7 @@ __device__ __forceinline__ void qk_tile_raw(const Lane& t, const uint32_t (&q)[k
   for (int n = 0; n < 2; ++n) {
     const int token = t.group * kTokensPerGroup + (kFp8Order ? fp8_token(8 * n + t.g) : 8 * n + t.g);
     row[n] = raw + token * L::kEntryBytes;
-    v_row[n] = v_tile + token * L::kVRowBytes;
+    if constexpr (!kFp8Order) v_row[n] = v_tile + token * L::kVRowBytes;
     if constexpr (kDsMla) {  // exact for powers of 2
       const float4 s = *reinterpret_cast<const float4*>(row[n] + kDsMlaScaleOffset);
       scale2[n][0] = pack_elems<kElem>(s.x, s.x), scale2[n][1] = pack_elems<kElem>(s.y, s.y);
@@ -1188,25 +1189,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 //   (2c + 1, 2c) (write_logits' swap).
 // (mma.sync with E4M3 operands, m16n8k32, is no faster on sm_90: ptxas lowers it to these same
 // conversions and two f16 MMAs, and then converts Q again on every tile; measured, 2026-12-02.)
-constexpr int kFp8Stages = 4;
-
-struct Fp8Layout {
-  static constexpr int kStageBytes = kTileTokens * kEntry;
-  static constexpr int kPRowBytes = 2 * kTileTokens + 16;
-  static constexpr int kRaw = 0;                                                  // [kFp8Stages][64][576]
-  static constexpr int kScores = kRaw + kFp8Stages * kStageBytes;                 // float [half][16][kScoreStride]
-  static constexpr int kP = kScores + kColumnHalves * kTileRows * kScoreStride * 4;  // [16][kPRowBytes]
-  static constexpr int kEntries = kP + kTileRows * kPRowBytes;                    // int64 [kFp8Stages][64]
-  static constexpr int kBarriers = kEntries + kFp8Stages * kTileTokens * 8;       // uint64 [kFp8Stages]
-  static constexpr int kStats = kBarriers + 8 * kFp8Stages;                       // RowStats
-  static constexpr int kQ = kStats + (int(sizeof(RowStats)) + 15) / 16 * 16;     // [16][kRowBytes]
-  static constexpr int kBytes = kQ + kTileRows * kRowBytes;
-  static_assert(kScores % 16 == 0 && kP % 16 == 0 && kEntries % 16 == 0 && kQ % 16 == 0);
-  static_assert(kBytes <= 232448, "more than sm_90's 227 KB of shared memory per block");
-  static_assert(kThreads >= kFp8Stages * kTileTokens, "the prologue gives one thread to each token");
-  static_assert(kFp8Stages * kStageBytes >= kTileRows * kStagingStride * int(sizeof(float)),
-                "the output rows are staged over the stages");
-};
+constexpr int kRawStages = 4;
+constexpr int kRawPRowBytes = 2 * kTileTokens + 16;      // a P tile's rows, 16-byte skewed
+constexpr int kRawPBytes = kTileRows * kRawPRowBytes;    // one P tile
 
 // The two codes of the low (high) 16 bits of x as their f16 pair, the first lowest (the build
 // without the instruction never launches the kernel: kFp8KernelBuilt). The halves are taken by
@@ -1257,117 +1242,6 @@ __device__ __forceinline__ void pv_accumulate_fp8(const Lane& t, const uint32_t 
   }
 }
 
-// One CTA's work for sequence b (attend's, S_q = 1). Tile i: [P.V of tile i - 1] QK^T of tile i |
-// barrier | softmax of tile i | barrier; tile i + 2 issued at the top, into the stage of tile i - 2.
-__device__ void attend_fp8(const DecodeAttention& a, int64_t b, const Scales& scales, uint8_t* smem) {
-  using L = Fp8Layout;
-  const int64_t len = a.context_len(b);
-  Work w;
-  w.b = b;
-  w.row0 = int64_t(blockIdx.y) * kTileRows;
-  const int64_t split_tokens = a.split_tokens(len);
-  w.first = int(blockIdx.x) * split_tokens;
-  if (a.num_splits > 1 && w.first >= len) return;  // not a live split: the combine skips it
-  w.load_end = min64(w.first + split_tokens, len);
-  w.n_tiles = w.load_end > w.first ? (w.load_end - w.first + kTileTokens - 1) / kTileTokens : 0;
-
-  Lane t;
-  t.warp = int(threadIdx.x) / 32, t.lane = int(threadIdx.x) % 32;
-  t.g = t.lane / 4, t.c = t.lane % 4;
-  t.half = t.warp / kTokenGroups, t.group = t.warp % kTokenGroups;
-  t.visible[0] = t.visible[1] = len;  // S_q = 1: every row sees the whole length
-
-  uint8_t* raw = smem + L::kRaw;
-  uint8_t* q_tile = smem + L::kQ;
-  float* scores = reinterpret_cast<float*>(smem + L::kScores);
-  uint8_t* p_tile = smem + L::kP;
-  int64_t* tile_rows = reinterpret_cast<int64_t*>(smem + L::kEntries);  // [tile % kFp8Stages][token]
-  uint64_t* stage_full = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
-  RowStats& stats = *reinterpret_cast<RowStats*>(smem + L::kStats);
-  const auto stage = [&](int s) { return raw + s * L::kStageBytes; };
-  const auto issue = [&](int s) {  // threads 0-63: the tile whose rows are in slot s, to stage s
-    if (threadIdx.x < kTileTokens)
-      issue_raw_tile<CacheFormat::kFp8>(a, tile_rows[s * kTileTokens + threadIdx.x], stage(s), stage_full + s);
-  };
-
-  __syncthreads();  // this CTA's previous sequence is done with the shared memory
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kFp8Stages; ++s) mbarrier_init(stage_full + s, kTileTokens);
-    mbarrier_init_fence();
-  }
-  uint4 q_fetched[kQChunksPerThread];
-  fetch_q<ActType::kF16>(a, b, w.row0, q_fetched);
-  if (threadIdx.x < kFp8Stages * kTileTokens)
-    tile_rows[threadIdx.x] = tile_token_row(a, w, threadIdx.x / kTileTokens, threadIdx.x % kTileTokens);
-  __syncthreads();  // the rows of the first tiles and the mbarriers are ready
-#pragma unroll
-  for (int s = 0; s < kFp8Stages; ++s)
-    if (s < w.n_tiles) issue(s);
-  store_q<CacheFormat::kFp8, ActType::kF16>(a, q_fetched, q_tile);
-  __syncthreads();  // the query tile is complete
-  using QL = Layout<CacheFormat::kFp8>;  // its column halves and Q fragments are attention_kernel's
-  constexpr int kHalfBlock = QL::kHalfStep / 4;
-  uint32_t q[QL::kQSteps][4];
-  if (t.half == 0)
-    load_q_fragments<0, QL::kHalfStep>(t, q_tile, q);
-  else
-    load_q_fragments<QL::kHalfStep, kQkSteps - QL::kHalfStep>(t, q_tile, q);
-  uint32_t parity = 0;  // bit s: the phase of stage s's mbarrier that the next wait expects
-
-  float out[kOutBlocks][4] = {};
-  RowState state;  // of row softmax_row(t)
-  const int lookup_token = int(threadIdx.x) - kTileTokens;  // warps 2-3 look the rows of later tiles up
-  const bool looks_up = lookup_token >= 0 && lookup_token < kTileTokens;
-  int slot = 0;  // tile % kFp8Stages
-  bool rescale = false;  // some row's alpha of the last tile is not 1 (a NaN alpha is not 1)
-  for (int64_t tile = 0;; ++tile) {
-    const int prev = (slot + kFp8Stages - 1) % kFp8Stages, before = (slot + kFp8Stages - 2) % kFp8Stages;
-    // Tile + 2 goes to the stage of tile - 2, whose P.V ended before the last barrier but one.
-    if (tile >= 2 && tile + 2 < w.n_tiles) issue(before);
-    if (tile > 0) {  // out += P V of tile - 1, rescaled by its alphas unless all are 1
-      if (rescale) {
-        const float alpha[2] = {stats.alpha[t.g], stats.alpha[t.g + 8]};
-#pragma unroll
-        for (int n = 0; n < kOutBlocks; ++n)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) out[n][i] *= alpha[i >> 1];
-      }
-      uint32_t p[kPvSteps][4];
-      load_p_fragments<L::kPRowBytes>(t, p_tile, p);
-      pv_accumulate_fp8(t, p, stage(prev), out);
-    }
-    if (tile == w.n_tiles) break;
-    mbarrier_wait(stage_full + slot, (parity >> slot) & 1);
-    parity ^= 1u << slot;
-    const int64_t row_ahead = looks_up ? tile_token_row(a, w, tile + kFp8Stages, lookup_token) : -1;
-    float acc[2][2][4] = {};
-    bool nan[2];  // unused: the f16 conversion keeps NaN
-    constexpr CacheFormat kF = CacheFormat::kFp8;
-    constexpr ActType kE = ActType::kF16;
-    if (t.half == 0)
-      qk_tile_raw<kF, kE, 0, kHalfBlock, QL::kQSteps, true>(t, q, stage(slot), nullptr, acc, nan);
-    else
-      qk_tile_raw<kF, kE, kHalfBlock, kEntry / 64 - kHalfBlock, QL::kQSteps, true>(t, q, stage(slot), nullptr, acc, nan);
-    const uint32_t no_nan[2] = {0, 0};
-    write_logits(t, acc, no_nan, tile_rows + slot * kTileTokens, w.first + tile * kTileTokens, scales.logit,
-                 scores + t.half * kTileRows * kScoreStride, t.c & 1);
-    __syncthreads();  // the logits are complete; P.V of tile - 1 is done with P and its stage
-    if (looks_up) tile_rows[slot * kTileTokens + lookup_token] = row_ahead;
-    const float alpha = softmax_rows<ActType::kF16, L::kPRowBytes>(t, scores, p_tile, state, stats);
-    rescale = __syncthreads_or(alpha != 1.0f);  // the P tile and the rows' alphas are complete
-    slot = slot + 1 == kFp8Stages ? 0 : slot + 1;
-  }
-  publish_row_state(t, state, stats);
-  __syncthreads();
-  write_rows<true>(a, w, t, scales, stats, out, reinterpret_cast<float*>(raw));
-}
-
-__global__ void __launch_bounds__(kThreads, 1) fp8_attention_kernel(const DecodeAttention a) {
-  extern __shared__ __align__(1024) uint8_t smem[];
-  const Scales scales = load_scales<CacheFormat::kFp8>(a);
-  for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) attend_fp8(a, b, scales, smem);
-}
-
 // ---- fp8_ds_mla in f16: the tile scales out of the MMAs, P.V from the raw codes (opt-in) ----
 //
 // ds_attention_kernel (JAX_KIMI_MLA_DECODE_KERNEL=ds16; fp8_ds_mla at S_q = 1, sm_89+ fp8
@@ -1386,7 +1260,6 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_attention_kernel(const Decode
 //   carried in units of R_t, rescaled with alpha x R_old / R_new. The softmax writes the four P'.
 // Written and compiled, not yet run on a GPU (docs/DECODE_ATTENTION.md, Eleventh round): opt-in
 // until its tests pass on the H200 and it is measured.
-constexpr int kDsStages = 4;
 constexpr int kScaleTiles = kLatent / kDsMlaTile;  // 4
 static_assert(kWarps == 2 * kScaleTiles, "two warps' output columns per scale tile");
 
@@ -1398,25 +1271,6 @@ struct DsStats {
   float unit[kScaleTiles][kTileRows];    // R after the last tile
   float q_unscale[kTileRows];            // 2^k: the row's latent q was stored times 2^-k
   int q_max_bits[kTileRows];             // the row's largest |latent q| (float bits), for the prescale
-};
-
-struct DsLayout {
-  static constexpr int kStageBytes = kTileTokens * kDsMlaEntryBytes;
-  static constexpr int kPRowBytes = 2 * kTileTokens + 16;
-  static constexpr int kPBytes = kTileRows * kPRowBytes;                          // one P'_t
-  static constexpr int kRaw = 0;                                                  // [kDsStages][64][656]
-  static constexpr int kScores = kRaw + kDsStages * kStageBytes;                  // float [half][16][kScoreStride]
-  static constexpr int kP = kScores + kColumnHalves * kTileRows * kScoreStride * 4;  // [tile][16][kPRowBytes]
-  static constexpr int kEntries = kP + kScaleTiles * kPBytes;                     // int64 [kDsStages][64]
-  static constexpr int kBarriers = kEntries + kDsStages * kTileTokens * 8;        // uint64 [kDsStages]
-  static constexpr int kStats = kBarriers + 8 * kDsStages;                        // DsStats
-  static constexpr int kQ = kStats + (int(sizeof(DsStats)) + 15) / 16 * 16;      // [16][kRowBytes]
-  static constexpr int kBytes = kQ + kTileRows * kRowBytes;
-  static_assert(kStageBytes % 16 == 0 && kScores % 16 == 0 && kP % 16 == 0 && kEntries % 16 == 0 && kQ % 16 == 0);
-  static_assert(kBytes <= 232448, "more than sm_90's 227 KB of shared memory per block");
-  static_assert(kThreads >= kDsStages * kTileTokens, "the prologue gives one thread to each token");
-  static_assert(kDsStages * kStageBytes >= kTileRows * kStagingStride * int(sizeof(float)),
-                "the output rows are staged over the stages");
 };
 
 // The query tile: fetch_q's chunks, the latent ones (chunks 0-63 of a row) as f16 times the row's
@@ -1571,7 +1425,7 @@ __device__ __forceinline__ bool ds_softmax_rows(const Lane& t, const float* scor
     uint32_t exp_new = (local >> (8 * k)) & 0xFFu;
     exp_new = exp_new == 0 ? exp_old : exp_new > 253u ? 253u : exp_new;  // R kept where every p s_t is 0
     const float inv_r = __uint_as_float((254u - exp_new) << 23);  // 1 / 2^(E - 127), exact
-    *reinterpret_cast<uint2*>(p_tiles + k * DsLayout::kPBytes + row * DsLayout::kPRowBytes + 2 * position) =
+    *reinterpret_cast<uint2*>(p_tiles + k * kRawPBytes + row * kRawPRowBytes + 2 * position) =
         make_uint2(pack_elems<ActType::kF16>(ps[0][k] * inv_r, ps[1][k] * inv_r),
                    pack_elems<ActType::kF16>(ps[2][k] * inv_r, ps[3][k] * inv_r));
     const float factor = ldexpf(alpha, int(exp_old) - int(exp_new));
@@ -1582,9 +1436,42 @@ __device__ __forceinline__ bool ds_softmax_rows(const Lane& t, const float* scor
   return changed;
 }
 
-// One CTA's work for sequence b (attend_fp8's, for fp8_ds_mla).
-__device__ void attend_ds(const DecodeAttention& a, int64_t b, const Scales& scales, uint8_t* smem) {
-  using L = DsLayout;
+// ---- fp8_attention_kernel and ds_attention_kernel: one loop ----
+
+// Where everything lives in dynamic shared memory: kRawStages raw stages, the logits, the P tile
+// (fp8_ds_mla: one P'_t per scale tile), the tiles' rows, the mbarriers, the per-row values (fp8_ds_mla:
+// DsStats), the query tile.
+template <CacheFormat kFormat>
+struct RawLayout {
+  static constexpr bool kDsMla = kFormat == CacheFormat::kFp8DsMla;
+  using Stats = std::conditional_t<kDsMla, DsStats, RowStats>;
+  static constexpr int kEntryBytes = kDsMla ? kDsMlaEntryBytes : kEntry;
+  static constexpr int kStageBytes = kTileTokens * kEntryBytes;
+  static constexpr int kRaw = 0;                                                  // [kRawStages][64][kEntryBytes]
+  static constexpr int kScores = kRaw + kRawStages * kStageBytes;                 // float [half][16][kScoreStride]
+  static constexpr int kP = kScores + kColumnHalves * kTileRows * kScoreStride * 4;  // [kPTiles][16][kRawPRowBytes]
+  static constexpr int kEntries = kP + (kDsMla ? kScaleTiles : 1) * kRawPBytes;   // int64 [kRawStages][64]
+  static constexpr int kBarriers = kEntries + kRawStages * kTileTokens * 8;       // uint64 [kRawStages]
+  static constexpr int kStats = kBarriers + 8 * kRawStages;                       // Stats
+  static constexpr int kQ = kStats + (int(sizeof(Stats)) + 15) / 16 * 16;        // [16][kRowBytes]
+  static constexpr int kBytes = kQ + kTileRows * kRowBytes;
+  static_assert(kStageBytes % 16 == 0 && kScores % 16 == 0 && kP % 16 == 0 && kEntries % 16 == 0 && kQ % 16 == 0);
+  static_assert(kBytes <= 232448, "more than sm_90's 227 KB of shared memory per block");
+  static_assert(kThreads >= kRawStages * kTileTokens, "the prologue gives one thread to each token");
+  static_assert(kRawStages * kStageBytes >= kTileRows * kStagingStride * int(sizeof(float)),
+                "the output rows are staged over the stages");
+};
+
+__device__ __forceinline__ RowStats& row_stats(RowStats& stats) { return stats; }
+__device__ __forceinline__ RowStats& row_stats(DsStats& stats) { return stats.rows; }
+
+// One CTA's work for sequence b at S_q = 1 (attend's CTA and split). Tile i: [P.V of tile i - 1]
+// QK^T of tile i | barrier | softmax of tile i | barrier; tile i + 2 issued at the top, into the
+// stage of tile i - 2.
+template <CacheFormat kFormat>
+__device__ void attend_raw(const DecodeAttention& a, int64_t b, const Scales& scales, uint8_t* smem) {
+  using L = RawLayout<kFormat>;
+  constexpr bool kDsMla = L::kDsMla;
   const int64_t len = a.context_len(b);
   Work w;
   w.b = b;
@@ -1599,106 +1486,137 @@ __device__ void attend_ds(const DecodeAttention& a, int64_t b, const Scales& sca
   t.warp = int(threadIdx.x) / 32, t.lane = int(threadIdx.x) % 32;
   t.g = t.lane / 4, t.c = t.lane % 4;
   t.half = t.warp / kTokenGroups, t.group = t.warp % kTokenGroups;
-  t.visible[0] = t.visible[1] = len;  // S_q = 1
+  t.visible[0] = t.visible[1] = len;  // S_q = 1: every row sees the whole length
 
   uint8_t* raw = smem + L::kRaw;
   uint8_t* q_tile = smem + L::kQ;
   float* scores = reinterpret_cast<float*>(smem + L::kScores);
   uint8_t* p_tiles = smem + L::kP;
-  int64_t* tile_rows = reinterpret_cast<int64_t*>(smem + L::kEntries);
+  int64_t* tile_rows = reinterpret_cast<int64_t*>(smem + L::kEntries);  // [tile % kRawStages][token]
   uint64_t* stage_full = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
-  DsStats& stats = *reinterpret_cast<DsStats*>(smem + L::kStats);
+  typename L::Stats& stats = *reinterpret_cast<typename L::Stats*>(smem + L::kStats);
   const auto stage = [&](int s) { return raw + s * L::kStageBytes; };
-  const auto issue = [&](int s) {
+  const auto issue = [&](int s) {  // threads 0-63: the tile whose rows are in slot s, to stage s
     if (threadIdx.x < kTileTokens)
-      issue_raw_tile<CacheFormat::kFp8DsMla>(a, tile_rows[s * kTileTokens + threadIdx.x], stage(s), stage_full + s);
+      issue_raw_tile<kFormat>(a, tile_rows[s * kTileTokens + threadIdx.x], stage(s), stage_full + s);
   };
 
   __syncthreads();  // this CTA's previous sequence is done with the shared memory
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kDsStages; ++s) mbarrier_init(stage_full + s, kTileTokens);
+    for (int s = 0; s < kRawStages; ++s) mbarrier_init(stage_full + s, kTileTokens);
     mbarrier_init_fence();
   }
-  if (threadIdx.x < kTileRows) stats.q_max_bits[threadIdx.x] = 0;
+  if constexpr (kDsMla)
+    if (threadIdx.x < kTileRows) stats.q_max_bits[threadIdx.x] = 0;
   uint4 q_fetched[kQChunksPerThread];
-  fetch_q<ActType::kBF16>(a, b, w.row0, q_fetched);
-  if (threadIdx.x < kDsStages * kTileTokens)
+  fetch_q<ActType::kF16>(a, b, w.row0, q_fetched);
+  if (threadIdx.x < kRawStages * kTileTokens)
     tile_rows[threadIdx.x] = tile_token_row(a, w, threadIdx.x / kTileTokens, threadIdx.x % kTileTokens);
-  __syncthreads();  // the rows of the first tiles, the mbarriers and the zeroed maxima are ready
+  __syncthreads();  // the rows of the first tiles and the mbarriers (fp8_ds_mla: the zeroed maxima) are ready
 #pragma unroll
-  for (int s = 0; s < kDsStages; ++s)
+  for (int s = 0; s < kRawStages; ++s)
     if (s < w.n_tiles) issue(s);
-  ds_q_row_max(a, q_fetched, stats);
-  __syncthreads();
-  if (threadIdx.x < kTileRows) {  // the prescale 2^-k puts the row's largest latent value in [2^14, 2^15)
-    const uint32_t e = exponent_of(__int_as_float(stats.q_max_bits[threadIdx.x]));
-    stats.q_unscale[threadIdx.x] = e == 0 || e == 0xFF ? 1.0f : ldexpf(1.0f, max(int(e) - 127 - 14, -126));
+  if constexpr (kDsMla) {
+    ds_q_row_max(a, q_fetched, stats);
+    __syncthreads();
+    if (threadIdx.x < kTileRows) {  // the prescale 2^-k puts the row's largest latent value in [2^14, 2^15)
+      const uint32_t e = exponent_of(__int_as_float(stats.q_max_bits[threadIdx.x]));
+      stats.q_unscale[threadIdx.x] = e == 0 || e == 0xFF ? 1.0f : ldexpf(1.0f, max(int(e) - 127 - 14, -126));
+    }
+    __syncthreads();
+    ds_store_q(a, q_fetched, stats, q_tile);
+  } else {
+    store_q<kFormat, ActType::kF16>(a, q_fetched, q_tile);
   }
-  __syncthreads();
-  ds_store_q(a, q_fetched, stats, q_tile);
   __syncthreads();  // the query tile is complete
-  using QL = Layout<CacheFormat::kFp8DsMla>;  // its column halves and Q fragments are attention_kernel's
+  using QL = Layout<kFormat>;  // its column halves and Q fragments are attention_kernel's
   constexpr int kHalfBlock = QL::kHalfStep / 4;
   uint32_t q[QL::kQSteps][4];
   if (t.half == 0)
     load_q_fragments<0, QL::kHalfStep>(t, q_tile, q);
   else
     load_q_fragments<QL::kHalfStep, kQkSteps - QL::kHalfStep>(t, q_tile, q);
-  const float unscale[2] = {stats.q_unscale[t.g], stats.q_unscale[t.g + 8]};
-  uint32_t parity = 0;
+  float unscale[2] = {1.0f, 1.0f};  // fp8_ds_mla: rows g and g + 8's
+  if constexpr (kDsMla) unscale[0] = stats.q_unscale[t.g], unscale[1] = stats.q_unscale[t.g + 8];
+  uint32_t parity = 0;  // bit s: the phase of stage s's mbarrier that the next wait expects
 
   float out[kOutBlocks][4] = {};
-  RowState state;
-  uint32_t units = 0x7F7F7F7Fu;  // R_t = 1 for every scale tile
-  const int scale_tile = t.warp / 2;
-  const int lookup_token = int(threadIdx.x) - kTileTokens;
+  RowState state;  // of row softmax_row(t)
+  uint32_t units = 0x7F7F7F7Fu;  // fp8_ds_mla: the row's E_t a byte (R_t = 1 for every scale tile)
+  const int scale_tile = kDsMla ? t.warp / 2 : 0;  // this warp's P tile
+  const int lookup_token = int(threadIdx.x) - kTileTokens;  // warps 2-3 look the rows of later tiles up
   const bool looks_up = lookup_token >= 0 && lookup_token < kTileTokens;
-  int slot = 0;
-  bool rescale = false;
+  int slot = 0;  // tile % kRawStages
+  bool rescale = false;  // some row's factor (alpha) of the last tile is not 1 (a NaN one is not 1)
   for (int64_t tile = 0;; ++tile) {
-    const int prev = (slot + kDsStages - 1) % kDsStages, before = (slot + kDsStages - 2) % kDsStages;
+    const int prev = (slot + kRawStages - 1) % kRawStages, before = (slot + kRawStages - 2) % kRawStages;
+    // Tile + 2 goes to the stage of tile - 2, whose P.V ended before the last barrier but one.
     if (tile >= 2 && tile + 2 < w.n_tiles) issue(before);
-    if (tile > 0) {  // out += P'_t V of tile - 1, after out *= its factors
+    if (tile > 0) {  // out += P V of tile - 1, after out *= its rows' factors unless all are 1
       if (rescale) {
-        const float factor[2] = {stats.factor[scale_tile][t.g], stats.factor[scale_tile][t.g + 8]};
+        const float* factors;  // fp8_ds_mla: this warp's scale tile's
+        if constexpr (kDsMla) factors = stats.factor[scale_tile];
+        else factors = stats.alpha;
+        const float factor[2] = {factors[t.g], factors[t.g + 8]};
 #pragma unroll
         for (int n = 0; n < kOutBlocks; ++n)
 #pragma unroll
           for (int i = 0; i < 4; ++i) out[n][i] *= factor[i >> 1];
       }
       uint32_t p[kPvSteps][4];
-      load_p_fragments<L::kPRowBytes>(t, p_tiles + scale_tile * L::kPBytes, p);
-      pv_accumulate_fp8<kDsMlaEntryBytes>(t, p, stage(prev), out);
+      load_p_fragments<kRawPRowBytes>(t, p_tiles + scale_tile * kRawPBytes, p);
+      pv_accumulate_fp8<L::kEntryBytes>(t, p, stage(prev), out);
     }
     if (tile == w.n_tiles) break;
     mbarrier_wait(stage_full + slot, (parity >> slot) & 1);
     parity ^= 1u << slot;
-    const int64_t row_ahead = looks_up ? tile_token_row(a, w, tile + kDsStages, lookup_token) : -1;
-    float acc[3][2][4] = {};
-    if (t.half == 0)
-      qk_tile_ds<0, kHalfBlock, QL::kQSteps>(t, q, stage(slot), acc);
-    else
-      qk_tile_ds<kHalfBlock, kEntry / 64 - kHalfBlock, QL::kQSteps>(t, q, stage(slot), acc);
-    float logits[2][2][4];
-    ds_combine_logits(t, stage(slot), acc, unscale, logits);
+    const int64_t row_ahead = looks_up ? tile_token_row(a, w, tile + kRawStages, lookup_token) : -1;
+    float logits[2][2][4] = {};
+    if constexpr (kDsMla) {
+      float acc[3][2][4] = {};
+      if (t.half == 0)
+        qk_tile_ds<0, kHalfBlock, QL::kQSteps>(t, q, stage(slot), acc);
+      else
+        qk_tile_ds<kHalfBlock, kEntry / 64 - kHalfBlock, QL::kQSteps>(t, q, stage(slot), acc);
+      ds_combine_logits(t, stage(slot), acc, unscale, logits);
+    } else {
+      bool nan[2];  // unused: the f16 conversion keeps NaN
+      if (t.half == 0)
+        qk_tile_raw<kFormat, ActType::kF16, 0, kHalfBlock, QL::kQSteps, true>(t, q, stage(slot), nullptr, logits, nan);
+      else
+        qk_tile_raw<kFormat, ActType::kF16, kHalfBlock, kEntry / 64 - kHalfBlock, QL::kQSteps, true>(
+            t, q, stage(slot), nullptr, logits, nan);
+    }
     const uint32_t no_nan[2] = {0, 0};  // the f16 conversion keeps NaN
     write_logits(t, logits, no_nan, tile_rows + slot * kTileTokens, w.first + tile * kTileTokens, scales.logit,
                  scores + t.half * kTileRows * kScoreStride, t.c & 1);
-    __syncthreads();  // the logits are complete; P.V of tile - 1 is done with the P' tiles and its stage
+    __syncthreads();  // the logits are complete; P.V of tile - 1 is done with the P tiles and its stage
     if (looks_up) tile_rows[slot * kTileTokens + lookup_token] = row_ahead;
-    const bool changed = ds_softmax_rows(t, scores, stage(slot), p_tiles, state, units, stats);
-    rescale = __syncthreads_or(changed);  // the P' tiles and the factors are complete
-    slot = slot + 1 == kDsStages ? 0 : slot + 1;
+    bool changed;
+    if constexpr (kDsMla)
+      changed = ds_softmax_rows(t, scores, stage(slot), p_tiles, state, units, stats);
+    else
+      changed = softmax_rows<ActType::kF16, kRawPRowBytes>(t, scores, p_tiles, state, stats) != 1.0f;
+    rescale = __syncthreads_or(changed);  // the P tiles and the rows' factors are complete
+    slot = slot + 1 == kRawStages ? 0 : slot + 1;
   }
-  publish_row_state(t, state, stats.rows);
+  publish_row_state(t, state, row_stats(stats));
   __syncthreads();
-  write_rows<true>(a, w, t, scales, stats.rows, out, reinterpret_cast<float*>(raw), stats.unit[scale_tile]);
+  const float* unit = nullptr;  // fp8_ds_mla: out's unit R of this warp's scale tile, per row
+  if constexpr (kDsMla) unit = stats.unit[scale_tile];
+  write_rows<true>(a, w, t, scales, row_stats(stats), out, reinterpret_cast<float*>(raw), unit);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) fp8_attention_kernel(const DecodeAttention a) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  const Scales scales = load_scales<CacheFormat::kFp8>(a);
+  for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) attend_raw<CacheFormat::kFp8>(a, b, scales, smem);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) ds_attention_kernel(const DecodeAttention a) {
   extern __shared__ __align__(1024) uint8_t smem[];
   const Scales scales = load_scales<CacheFormat::kFp8DsMla>(a);
-  for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) attend_ds(a, b, scales, smem);
+  for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) attend_raw<CacheFormat::kFp8DsMla>(a, b, scales, smem);
 }
 
 // One CTA per (query row, sequence): out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max lse)
@@ -2337,48 +2255,34 @@ ffi::Error make_tile_maps(const DecodeAttention& a, TileMaps& maps) {
   return ffi::Error::Success();
 }
 
-template <CacheFormat kFormat, ActType kElem>
-ffi::Error launch_attention(cudaStream_t stream, const DecodeAttention& a, dim3 grid) {
-  constexpr int kBytes = Layout<kFormat>::kBytes;
-  const auto kernel = attention_kernel<kFormat, kElem>;
-  // Set on every call: the attribute belongs to the current device, and a process may drive
-  // several. It is a host-side call (no stream work), so graph capture is unaffected.
-  const cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
-  if (err != cudaSuccess) {
-    const std::string what = "allowing " + std::to_string(kBytes) + " bytes of shared memory per block";
-    return cuda_error(what.c_str(), err);
-  }
-  TileMaps maps{};
-  if constexpr (Layout<kFormat>::kSwizzled)
-    if (ffi::Error map_err = make_tile_maps(a, maps); map_err.failure()) return map_err;
-  kernel<<<grid, kThreads, kBytes, stream>>>(a, maps);
-  return ffi::Error::Success();
-}
-
-template <CacheFormat kFormat, ActType kElem>
-ffi::Error launch_wgmma_attention(cudaStream_t stream, const DecodeAttention& a, dim3 grid) {
-  constexpr int kBytes = WgLayout<kFormat>::kBytes;
-  const auto kernel = wgmma_attention_kernel<kFormat, kElem>;
-  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
-  if (err != cudaSuccess) {
-    const std::string what = "allowing " + std::to_string(kBytes) + " bytes of shared memory per block";
-    return cuda_error(what.c_str(), err);
-  }
-  kernel<<<grid, kWgThreads, kBytes, stream>>>(a);
-  return ffi::Error::Success();
-}
-
-// fp8_attention_kernel or ds_attention_kernel (their only argument is the call).
-ffi::Error launch_raw_attention(cudaStream_t stream, const DecodeAttention& a, dim3 grid, void (*kernel)(DecodeAttention),
-                                int bytes) {
+// Launches kernel with `bytes` of dynamic shared memory. The attribute is set on every call: it
+// belongs to the current device, and a process may drive several. It is a host-side call (no
+// stream work), so graph capture is unaffected.
+template <typename... Params, typename... Args>
+ffi::Error launch_with_shared_memory(cudaStream_t stream, void (*kernel)(Params...), dim3 grid, int threads, int bytes,
+                                     const Args&... args) {
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) {
     const std::string what = "allowing " + std::to_string(bytes) + " bytes of shared memory per block";
     return cuda_error(what.c_str(), err);
   }
-  kernel<<<grid, kThreads, bytes, stream>>>(a);
+  kernel<<<grid, threads, bytes, stream>>>(args...);
   return ffi::Error::Success();
+}
+
+template <CacheFormat kFormat, ActType kElem>
+ffi::Error launch_attention(cudaStream_t stream, const DecodeAttention& a, dim3 grid) {
+  TileMaps maps{};
+  if constexpr (Layout<kFormat>::kSwizzled)
+    if (ffi::Error map_err = make_tile_maps(a, maps); map_err.failure()) return map_err;
+  return launch_with_shared_memory(stream, attention_kernel<kFormat, kElem>, grid, kThreads, Layout<kFormat>::kBytes,
+                                   a, maps);
+}
+
+template <CacheFormat kFormat, ActType kElem>
+ffi::Error launch_wgmma_attention(cudaStream_t stream, const DecodeAttention& a, dim3 grid) {
+  return launch_with_shared_memory(stream, wgmma_attention_kernel<kFormat, kElem>, grid, kWgThreads,
+                                   WgLayout<kFormat>::kBytes, a);
 }
 
 // The kernel a call takes. JAX_KIMI_MLA_DECODE_KERNEL (read per call, for comparisons) may ask
@@ -2442,9 +2346,9 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a) {
   ffi::Error err = ffi::Error::Success();
   const DecodeKernel kernel = choose_kernel(a, major);
   if (kernel == DecodeKernel::kFp8) {
-    err = launch_raw_attention(stream, a, grid, fp8_attention_kernel, Fp8Layout::kBytes);
+    err = launch_with_shared_memory(stream, fp8_attention_kernel, grid, kThreads, RawLayout<CacheFormat::kFp8>::kBytes, a);
   } else if (kernel == DecodeKernel::kDs) {
-    err = launch_raw_attention(stream, a, grid, ds_attention_kernel, DsLayout::kBytes);
+    err = launch_with_shared_memory(stream, ds_attention_kernel, grid, kThreads, RawLayout<CacheFormat::kFp8DsMla>::kBytes, a);
   } else if (kernel == DecodeKernel::kWgmma) {
     err = a.cache_format == CacheFormat::kFp8DsMla
               ? launch_wgmma_attention<CacheFormat::kFp8DsMla, ActType::kBF16>(stream, a, grid)
