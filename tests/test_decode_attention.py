@@ -266,12 +266,9 @@ WGMMA_CASES = {
 }
 
 
-# ds_attention_kernel is written and compiled but has not yet run on a GPU: its cases may fail there
-# until a device session has run them (docs/DECODE_ATTENTION.md, Eleventh round), then the mark goes.
-NOT_YET_RUN = pytest.mark.xfail(reason="ds_attention_kernel: not yet run on a GPU", strict=False)
 KERNEL_CHOICES = (
     [("wgmma", *f) for f in FORMATS if f[0] != "bf16"]
-    + [pytest.param("ds16", *f, marks=NOT_YET_RUN) for f in FORMATS if f[0] == "fp8_ds_mla"]
+    + [("ds16", *f) for f in FORMATS if f[0] == "fp8_ds_mla"]
     + [("mma", "fp8", "float8_e4m3fn")]
 )
 

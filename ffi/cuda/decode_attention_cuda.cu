@@ -75,7 +75,8 @@
 //    in place of attention_kernel: the same CTA and phases, but P.V reads the raw codes and
 //    converts them in registers, so no converted V tile is written or read (its section below).
 // 1c. ds_attention_kernel (opt-in, JAX_KIMI_MLA_DECODE_KERNEL=ds16; fp8_ds_mla at S_q = 1): the
-//    same for fp8_ds_mla on f16 MMAs, the tile scales out of the MMAs. Written, not yet run.
+//    same for fp8_ds_mla on f16 MMAs, the tile scales out of the MMAs. Correct on the H200, still
+//    slower than attention_kernel (341 against 299 us at B 64 x 16k; its section below).
 // 1d. wgmma_attention_kernel (opt-in, JAX_KIMI_MLA_DECODE_KERNEL=wgmma; sm_90, the 1-byte formats,
 //    S_q = 1), in place of the others: warp roles handing tiles over by mbarriers, wgmma
 //    with the tokens as M. Correct, still slower (its section below).
@@ -387,6 +388,17 @@ __device__ __forceinline__ Scales load_scales(const DecodeAttention& a) {
 // fp8_attention_kernel's token order: position kk of a 16-token group (of the logits, P and the B
 // rows of P.V) holds token fp8_token(kk) of the group (its section says why).
 __host__ __device__ constexpr int fp8_token(int kk) { return kk ^ ((kk >> 1) & 1); }
+// ds_attention_kernel's: 656-byte rows are 16 mod 128, so the two tokens that each quarter-warp of
+// a 16-byte QK^T load reads (positions 2j, 2j + 1) are 4 apart: tokens j and j + 4 (conflict-free;
+// P.V's 8-byte loads stay 2-way, as plain fp8's).
+__host__ __device__ constexpr int ds_token(int kk) { return (kk & 8) | ((kk & 7) >> 1) | ((kk & 1) << 2); }
+
+// Where a kernel keeps the tokens of a 16-token group: position kk holds token ordered_token(kk).
+enum class TokenOrder { kNatural, kFp8, kDsMla };
+template <TokenOrder kOrder>
+__host__ __device__ constexpr int ordered_token(int kk) {
+  return kOrder == TokenOrder::kFp8 ? fp8_token(kk) : kOrder == TokenOrder::kDsMla ? ds_token(kk) : kk;
+}
 
 // The MMA column (in the Q tile) of query column k, for the 1-byte formats.
 template <CacheFormat kFormat>
@@ -740,35 +752,40 @@ __device__ __forceinline__ void qk_tile_raw(const Lane& t, const uint32_t (&q)[k
 // (the half's [16][kScoreStride] array): -inf where the token is masked or not visible to the
 // row (in both halves, so their sum is -inf, whatever the data), NaN where visible and lanes
 // 4i..4i + 3 of nan_lanes[n] flag the n-block's token i (qk_tile_raw).
-// With swap = 1 the lane's two logits of a pair are those of tokens token + 1 and token (the
-// fp8 kernel's token order, fp8_token), stored at their places in that order.
+// The logits are stored by position (kOrder: the lane's logit pair of positions 2c, 2c + 1 holds
+// tokens ordered_token of those).
+template <TokenOrder kOrder = TokenOrder::kNatural>
 __device__ __forceinline__ void write_logits(const Lane& t, const float (&acc)[2][2][4],
                                              const uint32_t (&nan_lanes)[2],
                                              const int64_t* rows, int64_t tile_first,
-                                             float logit_scale, float* scores, int swap = 0) {
+                                             float logit_scale, float* scores) {
   // Row g + 8h sees the tile's tokens [0, seen[h]): 32-bit compares per logit instead of 64-bit.
   int seen[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) seen[h] = int(min64(max64(t.visible[h] - tile_first, 0), kTileTokens));
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
-    const int token = t.group * kTokensPerGroup + 8 * n + 2 * t.c;
-    // A row is -1 (masked) or a row index: its sign is its high word's (little-endian words).
-    const int32_t* words = reinterpret_cast<const int32_t*>(rows + token);
-    const bool loaded[2] = {words[1] >= 0, words[3] >= 0};
-    const bool nan[2] = {((nan_lanes[n] >> (8 * t.c)) & 0xFu) != 0,
-                         ((nan_lanes[n] >> (8 * t.c + 4)) & 0xFu) != 0};
+    const int position = t.group * kTokensPerGroup + 8 * n + 2 * t.c;
+    int token[2];  // of the lane's logits e = 0, 1 (positions position + e)
+    bool loaded[2], nan[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      token[e] = t.group * kTokensPerGroup + ordered_token<kOrder>(8 * n + 2 * t.c + e);
+      // A row is -1 (masked) or a row index: its sign is its high word's (little-endian words).
+      loaded[e] = reinterpret_cast<const int32_t*>(rows + token[e])[1] >= 0;
+      nan[e] = ((nan_lanes[n] >> (8 * t.c + 4 * e)) & 0xFu) != 0;
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // rows g and g + 8
       float v[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int i = 2 * h + e, te = e ^ swap;  // te: the token of logit e, token + te
-        const bool live = (te ? loaded[1] : loaded[0]) && token + te < seen[h], is_nan = te ? nan[1] : nan[0];
+        const int i = 2 * h + e;
+        const bool live = loaded[e] && token[e] < seen[h];
         const float logit = (acc[n][0][i] + acc[n][1][i]) * logit_scale;
-        v[e] = !live ? -INFINITY : is_nan ? NAN : logit;
+        v[e] = !live ? -INFINITY : nan[e] ? NAN : logit;
       }
-      *reinterpret_cast<float2*>(scores + (t.g + 8 * h) * kScoreStride + token) = make_float2(v[0], v[1]);
+      *reinterpret_cast<float2*>(scores + (t.g + 8 * h) * kScoreStride + position) = make_float2(v[0], v[1]);
     }
   }
 }
@@ -821,13 +838,13 @@ __device__ __forceinline__ float online_softmax(const Lane& t, const float* scor
 }
 
 // Returns the row's alpha.
-template <ActType kElem, int kPRowBytes>
+template <ActType kElem, int kPRowBytes, bool kPOverLogits = true>
 __device__ __forceinline__ float softmax_rows(const Lane& t, const float* scores, uint8_t* p_tile, RowState& state,
                                               RowStats& stats) {
   const int row = softmax_row(t), token = 4 * (t.lane % 16);
   float e[4];
   const float alpha = online_softmax(t, scores, state, e);
-  __syncwarp();  // every lane of the row has read its logits before P (may) overwrite them
+  if constexpr (kPOverLogits) __syncwarp();  // every lane of the row has read its logits before P overwrites them
   *reinterpret_cast<uint2*>(p_tile + row * kPRowBytes + 2 * token) =
       make_uint2(pack_elems<kElem>(e[0], e[1]), pack_elems<kElem>(e[2], e[3]));
   if (t.lane % 16 == 0) stats.alpha[row] = alpha;
@@ -1186,7 +1203,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 //   tokens of every P.V load split evenly between the two 64-byte halves of a bank row (576-byte
 //   rows are 64 mod 128): QK^T's loads are conflict-free, P.V's 2-way (the least 8-byte loads of
 //   4 tokens at the same columns allow). A lane's logits of a pair are then tokens (2c, 2c + 1) or
-//   (2c + 1, 2c) (write_logits' swap).
+//   (2c + 1, 2c) (write_logits<TokenOrder::kFp8>).
+// - P.V of tile i - 1 runs before QK^T of tile i, at the top of the iteration: moved into the
+//   softmax interval of tile i (after the softmax, P tiles and alphas by tile parity) it ran
+//   220 us against 213 (2026-12-02), where ds_attention_kernel gained from the move (kPvWithSoftmax).
 // (mma.sync with E4M3 operands, m16n8k32, is no faster on sm_90: ptxas lowers it to these same
 // conversions and two f16 MMAs, and then converts Q again on every tile; measured, 2026-12-02.)
 constexpr int kRawStages = 4;
@@ -1214,7 +1234,7 @@ __device__ __forceinline__ uint32_t e4m3x2_half_to_f16x2(uint32_t x) {
 // out[16 x this warp's 64 columns] += P[16 x 64] V[64 x 64], V the codes of a raw tile of
 // kEntryBytes rows (the comment above): k-step k, B rows 2c, 2c + 1, 2c + 8, 2c + 9 are tokens
 // 16k + fp8_token of those.
-template <int kEntryBytes = kEntry>
+template <int kEntryBytes, TokenOrder kOrder>
 __device__ __forceinline__ void pv_accumulate_fp8(const Lane& t, const uint32_t (&p)[kPvSteps][4], const uint8_t* raw,
                                                   float (&out)[kOutBlocks][4]) {
   const uint8_t* base = raw + kColsPerWarp * t.warp + 8 * t.g;
@@ -1224,7 +1244,7 @@ __device__ __forceinline__ void pv_accumulate_fp8(const Lane& t, const uint32_t 
     uint2 w[4];
 #pragma unroll
     for (int x = 0; x < 4; ++x)
-      w[x] = *reinterpret_cast<const uint2*>(base + (16 * k + fp8_token(kk[x])) * kEntryBytes);
+      w[x] = *reinterpret_cast<const uint2*>(base + (16 * k + ordered_token<kOrder>(kk[x])) * kEntryBytes);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // columns 8g + 4h .. + 3: n-blocks 4h .. 4h + 3
       const uint32_t r0 = h ? w[0].y : w[0].x, r1 = h ? w[1].y : w[1].x;
@@ -1258,8 +1278,12 @@ __device__ __forceinline__ void pv_accumulate_fp8(const Lane& t, const uint32_t 
 //   of two per row and tile near the row's largest p s_t over the tile's tokens (so that the
 //   largest terms keep f16's 11 bits: benchmarks/probes/ds_mla_pv_precision.py), and out is
 //   carried in units of R_t, rescaled with alpha x R_old / R_new. The softmax writes the four P'.
-// Written and compiled, not yet run on a GPU (docs/DECODE_ATTENTION.md, Eleventh round): opt-in
-// until its tests pass on the H200 and it is measured.
+// - Token order ds_token (656-byte rows: conflict-free QK^T loads); the scales of a tile are copied
+//   by position to a small array (tile_scales) so that the softmax reads them without conflicts;
+//   R_t moves only when the tile's largest p s_t leaves a slack of 2^8 around it (kUnitSlack).
+// Correct on the H200 (its tests, compute-sanitizer memcheck 0 errors), still slower than
+// attention_kernel there: 341 against 299 us at B 64 x 16k, H 12 (docs/DECODE_ATTENTION.md,
+// Twelfth round: its softmax still issues 1.6x plain fp8's instructions). Opt-in until faster.
 constexpr int kScaleTiles = kLatent / kDsMlaTile;  // 4
 static_assert(kWarps == 2 * kScaleTiles, "two warps' output columns per scale tile");
 
@@ -1267,8 +1291,8 @@ static_assert(kWarps == 2 * kScaleTiles, "two warps' output columns per scale ti
 // the f16 prescale of q.
 struct DsStats {
   RowStats rows;                         // the rows' max and sum at the end (alpha unused)
-  float factor[kScaleTiles][kTileRows];  // alpha x R_old / R_new of the last tile
-  float unit[kScaleTiles][kTileRows];    // R after the last tile
+  float factor[2][kScaleTiles][kTileRows];  // alpha x R_old / R_new, by tile parity
+  float unit[kScaleTiles][kTileRows];    // R after the last tile (written at the end)
   float q_unscale[kTileRows];            // 2^k: the row's latent q was stored times 2^-k
   int q_max_bits[kTileRows];             // the row's largest |latent q| (float bits), for the prescale
 };
@@ -1324,7 +1348,7 @@ __device__ __forceinline__ void ds_store_q(const DecodeAttention& a, const uint4
   }
 }
 
-// Partial QK^T of the 16 rows x this warp's 16 tokens (fp8_token order) over 64-column blocks
+// Partial QK^T of the 16 rows x this warp's 16 tokens (ds_token order) over 64-column blocks
 // [kFirstBlock, kFirstBlock + kBlocks) of a raw ds_mla tile: acc[k][n] for the half's scale tile
 // k (blocks 2k, 2k + 1 of the half), acc[2][n] for k_pe (block 8), unscaled.
 template <int kFirstBlock, int kBlocks, int kQSteps>
@@ -1333,7 +1357,7 @@ __device__ __forceinline__ void qk_tile_ds(const Lane& t, const uint32_t (&q)[kQ
   const uint8_t* row[2];
 #pragma unroll
   for (int n = 0; n < 2; ++n)
-    row[n] = raw + (t.group * kTokensPerGroup + fp8_token(8 * n + t.g)) * kDsMlaEntryBytes;
+    row[n] = raw + (t.group * kTokensPerGroup + ds_token(8 * n + t.g)) * kDsMlaEntryBytes;
 #pragma unroll
   for (int jj = 0; jj < kBlocks; ++jj) {
     const int j = kFirstBlock + jj;
@@ -1368,16 +1392,24 @@ __device__ __forceinline__ void qk_tile_ds(const Lane& t, const uint32_t (&q)[kQ
 
 // The half's partial logits in write_logits' form (chain 1 zero): the scale tiles' partials times
 // their tokens' scales and the rows' unscale, plus k_pe's. Lane (g, c) holds positions 8n + 2c + e
-// of its group: tokens + (e ^ (c & 1)) (fp8_token).
+// of its group (tokens ds_token of those). Lanes g = 0 also copy the half's two scales of those
+// tokens to tile_scales ([scale tile][position]), where the softmax reads each lane's four
+// positions of a scale tile as one conflict-free 16-byte load.
 __device__ __forceinline__ void ds_combine_logits(const Lane& t, const uint8_t* raw, const float (&acc)[3][2][4],
-                                                  const float (&unscale)[2], float (&logits)[2][2][4]) {
+                                                  const float (&unscale)[2], float (&logits)[2][2][4],
+                                                  float* tile_scales) {
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
     float2 sc[2];  // the half's two tile scales of the tokens of e = 0, 1
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int token = t.group * kTokensPerGroup + 8 * n + 2 * t.c + (e ^ (t.c & 1));
+      const int position = t.group * kTokensPerGroup + 8 * n + 2 * t.c + e;
+      const int token = t.group * kTokensPerGroup + ds_token(8 * n + 2 * t.c + e);
       sc[e] = *reinterpret_cast<const float2*>(raw + token * kDsMlaEntryBytes + kDsMlaScaleOffset + 8 * t.half);
+      if (t.g == 0) {
+        tile_scales[(2 * t.half) * kTileTokens + position] = sc[e].x;
+        tile_scales[(2 * t.half + 1) * kTileTokens + position] = sc[e].y;
+      }
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -1389,68 +1421,98 @@ __device__ __forceinline__ void ds_combine_logits(const Lane& t, const uint8_t* 
   }
 }
 
-// The exponent field of a nonnegative float (0 for zero and subnormals).
+// The exponent field of a nonnegative float (0 for zero and subnormals, 255 for NaN).
 __device__ __forceinline__ uint32_t exponent_of(float x) { return (__float_as_uint(x) >> 23) & 0xFFu; }
 
+// x 2^d for |d| <= 252, in two exact steps (each factor a normal float).
+__device__ __forceinline__ float times_pow2(float x, int d) {
+  const int d0 = d / 2, d1 = d - d0;
+  return x * __uint_as_float(uint32_t(127 + d0) << 23) * __uint_as_float(uint32_t(127 + d1) << 23);
+}
+
+// How far (in binades) a tile's largest p s_t may lie from the unit R_t before R_t follows it:
+// within it, the tile's largest P' is in [2^-kUnitSlack, 2^(kUnitSlack + 1)), far inside f16's
+// normal range, and out needs no rescale for R (only for alpha, as plain fp8).
+constexpr int kUnitSlack = 8;
+
 // softmax_rows for ds_attention_kernel: the row's probabilities p, and from them, per scale tile t,
-// P'_t = f16(p s_t / R_t) (the four P' tiles) with R_t = 2^(E_t - 127), E_t the largest exponent field
-// of p s_t over the row's 64 tokens (the last tile's where every p s_t is 0). `units` holds the
-// row's E_t of the last tile in its four bytes (127 at the start: R = 1). Returns whether some
-// factor of the row is not 1.
-__device__ __forceinline__ bool ds_softmax_rows(const Lane& t, const float* scores, const uint8_t* raw,
-                                                uint8_t* p_tiles, RowState& state, uint32_t& units, DsStats& stats) {
+// P'_t = f16(p s_t / R_t) (the four P' tiles). R_t = 2^(E_t - 127) is a power of two per row that
+// follows the exponent field of the row's largest p s_t over the tile (E_max) only when E_max
+// leaves [E_t - kUnitSlack, E_t + kUnitSlack], so that it rarely changes (a tile where every
+// p s_t is 0 keeps it). `units` holds the row's E_t in its four bytes (127 at the start: R = 1).
+// Returns whether some factor (alpha x R_old / R_new) of the row is not 1.
+__device__ __forceinline__ bool ds_softmax_rows(const Lane& t, const float* scores, const float* tile_scales,
+                                                uint8_t* p_tiles, RowState& state, uint32_t& units,
+                                                float (&factors)[kScaleTiles][kTileRows]) {
   const int row = softmax_row(t), position = 4 * (t.lane % 16);
   float e[4];
   const float alpha = online_softmax(t, scores, state, e);
-  // The scales of the 4 tokens (positions 4m .. 4m + 3: fp8_token) and p s_t.
-  float ps[4][kScaleTiles];
-  uint32_t local = 0;  // byte t: the largest exponent of this lane's p s_t
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int kk = position + i, token = kk / 16 * 16 + fp8_token(kk % 16);
-    const float4 s = *reinterpret_cast<const float4*>(raw + token * kDsMlaEntryBytes + kDsMlaScaleOffset);
-    ps[i][0] = e[i] * s.x, ps[i][1] = e[i] * s.y, ps[i][2] = e[i] * s.z, ps[i][3] = e[i] * s.w;
-#pragma unroll
-    for (int k = 0; k < kScaleTiles; ++k) {
-      const uint32_t x = exponent_of(fmaxf(ps[i][k], 0.0f)) << (8 * k);  // NaN: 0 (fmaxf skips it)
-      local = __vmaxu4(local, x);
-    }
-  }
-#pragma unroll
-  for (int m = 8; m > 0; m /= 2) local = __vmaxu4(local, __shfl_xor_sync(0xFFFFFFFFu, local, m));
-  bool changed = alpha != 1.0f;
+  float ps[kScaleTiles][4], lane_max[kScaleTiles];
+  bool leaves = false;  // some scale tile of this warp's rows needs a new unit
 #pragma unroll
   for (int k = 0; k < kScaleTiles; ++k) {
-    const uint32_t exp_old = (units >> (8 * k)) & 0xFFu;
-    uint32_t exp_new = (local >> (8 * k)) & 0xFFu;
-    exp_new = exp_new == 0 ? exp_old : exp_new > 253u ? 253u : exp_new;  // R kept where every p s_t is 0
-    const float inv_r = __uint_as_float((254u - exp_new) << 23);  // 1 / 2^(E - 127), exact
-    *reinterpret_cast<uint2*>(p_tiles + k * kRawPBytes + row * kRawPRowBytes + 2 * position) =
-        make_uint2(pack_elems<ActType::kF16>(ps[0][k] * inv_r, ps[1][k] * inv_r),
-                   pack_elems<ActType::kF16>(ps[2][k] * inv_r, ps[3][k] * inv_r));
-    const float factor = ldexpf(alpha, int(exp_old) - int(exp_new));
-    changed = changed || exp_new != exp_old;
-    if (t.lane % 16 == 0) stats.factor[k][row] = factor, stats.unit[k][row] = __uint_as_float(exp_new << 23);
-    units = (units & ~(0xFFu << (8 * k))) | (exp_new << (8 * k));
+    const float4 s = *reinterpret_cast<const float4*>(tile_scales + k * kTileTokens + position);
+    ps[k][0] = e[0] * s.x, ps[k][1] = e[1] * s.y, ps[k][2] = e[2] * s.z, ps[k][3] = e[3] * s.w;
+    lane_max[k] = fmaxf(fmaxf(ps[k][0], ps[k][1]), fmaxf(ps[k][2], ps[k][3]));  // NaN skipped
+    const int unit = int((units >> (8 * k)) & 0xFFu), top = int(exponent_of(fmaxf(lane_max[k], 0.0f)));
+    // Above the slack in some lane, or below it (and not 0) in every lane of the row.
+    const uint32_t above = __ballot_sync(0xFFFFFFFFu, top > unit + kUnitSlack);
+    const uint32_t below = __ballot_sync(0xFFFFFFFFu, top == 0 || top + kUnitSlack < unit);
+    const uint32_t zero = __ballot_sync(0xFFFFFFFFu, top == 0);
+    const uint32_t mine = 0xFFFFu << (16 * (t.lane / 16));
+    leaves = leaves || (above & mine) != 0 || ((below & mine) == mine && (zero & mine) != mine);
   }
+  bool changed = alpha != 1.0f;
+  uint32_t new_units = units;
+  if (__any_sync(0xFFFFFFFFu, leaves)) {  // rare: the warp's two rows reduce their largest p s_t
+#pragma unroll
+    for (int k = 0; k < kScaleTiles; ++k) {
+#pragma unroll
+      for (int m = 8; m > 0; m /= 2) lane_max[k] = fmaxf(lane_max[k], __shfl_xor_sync(0xFFFFFFFFu, lane_max[k], m));
+      const uint32_t unit = (units >> (8 * k)) & 0xFFu, top = exponent_of(fmaxf(lane_max[k], 0.0f));
+      const bool moves = top != 0 && (top > unit + kUnitSlack || top + kUnitSlack < unit);
+      const uint32_t next = !moves ? unit : top > 253u ? 253u : top;  // 1 / R stays a normal float
+      new_units = (new_units & ~(0xFFu << (8 * k))) | (next << (8 * k));
+    }
+    changed = changed || new_units != units;
+  }
+#pragma unroll
+  for (int k = 0; k < kScaleTiles; ++k) {
+    const uint32_t unit = (new_units >> (8 * k)) & 0xFFu, old_unit = (units >> (8 * k)) & 0xFFu;
+    const float inv_r = __uint_as_float((254u - unit) << 23);  // 1 / 2^(E - 127), exact
+    *reinterpret_cast<uint2*>(p_tiles + k * kRawPBytes + row * kRawPRowBytes + 2 * position) =
+        make_uint2(pack_elems<ActType::kF16>(ps[k][0] * inv_r, ps[k][1] * inv_r),
+                   pack_elems<ActType::kF16>(ps[k][2] * inv_r, ps[k][3] * inv_r));
+    if (t.lane % 16 == 0) factors[k][row] = unit == old_unit ? alpha : times_pow2(alpha, int(old_unit) - int(unit));
+  }
+  units = new_units;
   return changed;
 }
 
 // ---- fp8_attention_kernel and ds_attention_kernel: one loop ----
 
+
 // Where everything lives in dynamic shared memory: kRawStages raw stages, the logits, the P tile
 // (fp8_ds_mla: one P'_t per scale tile), the tiles' rows, the mbarriers, the per-row values (fp8_ds_mla:
 // DsStats), the query tile.
+// plain fp8's per-row values: the softmax's, the alphas by tile parity (P.V of tile i - 1 reads
+// its alphas while the softmax of tile i writes its own).
+struct Fp8Stats {
+  RowStats by_parity[2];  // the rows' max and sum at the end in by_parity[0]
+};
+
 template <CacheFormat kFormat>
 struct RawLayout {
   static constexpr bool kDsMla = kFormat == CacheFormat::kFp8DsMla;
-  using Stats = std::conditional_t<kDsMla, DsStats, RowStats>;
+  using Stats = std::conditional_t<kDsMla, DsStats, Fp8Stats>;
+  static constexpr int kPTiles = kDsMla ? kScaleTiles : 1;  // a tile's P (fp8_ds_mla: its P'_t)
   static constexpr int kEntryBytes = kDsMla ? kDsMlaEntryBytes : kEntry;
   static constexpr int kStageBytes = kTileTokens * kEntryBytes;
   static constexpr int kRaw = 0;                                                  // [kRawStages][64][kEntryBytes]
   static constexpr int kScores = kRaw + kRawStages * kStageBytes;                 // float [half][16][kScoreStride]
-  static constexpr int kP = kScores + kColumnHalves * kTileRows * kScoreStride * 4;  // [kPTiles][16][kRawPRowBytes]
-  static constexpr int kEntries = kP + (kDsMla ? kScaleTiles : 1) * kRawPBytes;   // int64 [kRawStages][64]
+  static constexpr int kP = kScores + kColumnHalves * kTileRows * kScoreStride * 4;  // [parity][kPTiles][16][kRawPRowBytes]
+  static constexpr int kTileScales = kP + 2 * kPTiles * kRawPBytes;  // fp8_ds_mla: float [kScaleTiles][64]
+  static constexpr int kEntries = kTileScales + (kDsMla ? kScaleTiles * kTileTokens * 4 : 0);  // int64 [kRawStages][64]
   static constexpr int kBarriers = kEntries + kRawStages * kTileTokens * 8;       // uint64 [kRawStages]
   static constexpr int kStats = kBarriers + 8 * kRawStages;                       // Stats
   static constexpr int kQ = kStats + (int(sizeof(Stats)) + 15) / 16 * 16;        // [16][kRowBytes]
@@ -1462,16 +1524,22 @@ struct RawLayout {
                 "the output rows are staged over the stages");
 };
 
-__device__ __forceinline__ RowStats& row_stats(RowStats& stats) { return stats; }
+__device__ __forceinline__ RowStats& row_stats(Fp8Stats& stats) { return stats.by_parity[0]; }
 __device__ __forceinline__ RowStats& row_stats(DsStats& stats) { return stats.rows; }
 
 // One CTA's work for sequence b at S_q = 1 (attend's CTA and split). Tile i: [P.V of tile i - 1]
-// QK^T of tile i | barrier | softmax of tile i | barrier; tile i + 2 issued at the top, into the
-// stage of tile i - 2.
+// QK^T of tile i | barrier | softmax of tile i [P.V of tile i - 1, kPvWithSoftmax] | barrier;
+// tile i + 2 issued at the top, into the stage of tile i - 2. The P tiles and the rows' factors
+// are kept by tile parity, so that either place of P.V reads tile i - 1's while the softmax
+// writes tile i's.
 template <CacheFormat kFormat>
 __device__ void attend_raw(const DecodeAttention& a, int64_t b, const Scales& scales, uint8_t* smem) {
   using L = RawLayout<kFormat>;
   constexpr bool kDsMla = L::kDsMla;
+  // Where P.V of tile i - 1 runs: at the top of iteration i (plain fp8), or after the softmax of
+  // tile i, in its barrier interval (fp8_ds_mla, whose softmax is longer). Each was measured both
+  // ways on the H200 (2026-12-02): plain fp8 213 us at the top against 220; ds 341 against 349.
+  constexpr bool kPvWithSoftmax = kDsMla;
   const int64_t len = a.context_len(b);
   Work w;
   w.b = b;
@@ -1492,6 +1560,7 @@ __device__ void attend_raw(const DecodeAttention& a, int64_t b, const Scales& sc
   uint8_t* q_tile = smem + L::kQ;
   float* scores = reinterpret_cast<float*>(smem + L::kScores);
   uint8_t* p_tiles = smem + L::kP;
+  float* tile_scales = reinterpret_cast<float*>(smem + L::kTileScales);  // fp8_ds_mla
   int64_t* tile_rows = reinterpret_cast<int64_t*>(smem + L::kEntries);  // [tile % kRawStages][token]
   uint64_t* stage_full = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
   typename L::Stats& stats = *reinterpret_cast<typename L::Stats*>(smem + L::kStats);
@@ -1548,26 +1617,32 @@ __device__ void attend_raw(const DecodeAttention& a, int64_t b, const Scales& sc
   const bool looks_up = lookup_token >= 0 && lookup_token < kTileTokens;
   int slot = 0;  // tile % kRawStages
   bool rescale = false;  // some row's factor (alpha) of the last tile is not 1 (a NaN one is not 1)
+  // out += P V of tile `done` (in stage `done_slot`), after out *= its rows' factors unless all are 1.
+  const auto pv = [&](int64_t done, int done_slot) {
+    const int done_parity = int(done & 1);
+    if (rescale) {
+      const float* factors;  // fp8_ds_mla: this warp's scale tile's
+      if constexpr (kDsMla) factors = stats.factor[done_parity][scale_tile];
+      else factors = stats.by_parity[done_parity].alpha;
+      const float factor[2] = {factors[t.g], factors[t.g + 8]};
+#pragma unroll
+      for (int n = 0; n < kOutBlocks; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) out[n][i] *= factor[i >> 1];
+    }
+    uint32_t p[kPvSteps][4];
+    load_p_fragments<kRawPRowBytes>(t, p_tiles + (done_parity * L::kPTiles + scale_tile) * kRawPBytes, p);
+    pv_accumulate_fp8<L::kEntryBytes, kDsMla ? TokenOrder::kDsMla : TokenOrder::kFp8>(t, p, stage(done_slot), out);
+  };
   for (int64_t tile = 0;; ++tile) {
     const int prev = (slot + kRawStages - 1) % kRawStages, before = (slot + kRawStages - 2) % kRawStages;
-    // Tile + 2 goes to the stage of tile - 2, whose P.V ended before the last barrier but one.
+    // Tile + 2 goes to the stage of tile - 2, whose P.V ended before the last barrier.
     if (tile >= 2 && tile + 2 < w.n_tiles) issue(before);
-    if (tile > 0) {  // out += P V of tile - 1, after out *= its rows' factors unless all are 1
-      if (rescale) {
-        const float* factors;  // fp8_ds_mla: this warp's scale tile's
-        if constexpr (kDsMla) factors = stats.factor[scale_tile];
-        else factors = stats.alpha;
-        const float factor[2] = {factors[t.g], factors[t.g + 8]};
-#pragma unroll
-        for (int n = 0; n < kOutBlocks; ++n)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) out[n][i] *= factor[i >> 1];
-      }
-      uint32_t p[kPvSteps][4];
-      load_p_fragments<kRawPRowBytes>(t, p_tiles + scale_tile * kRawPBytes, p);
-      pv_accumulate_fp8<L::kEntryBytes>(t, p, stage(prev), out);
+    if (!kPvWithSoftmax && tile > 0) pv(tile - 1, prev);
+    if (tile == w.n_tiles) {
+      if (kPvWithSoftmax && tile > 0) pv(tile - 1, prev);
+      break;
     }
-    if (tile == w.n_tiles) break;
     mbarrier_wait(stage_full + slot, (parity >> slot) & 1);
     parity ^= 1u << slot;
     const int64_t row_ahead = looks_up ? tile_token_row(a, w, tile + kRawStages, lookup_token) : -1;
@@ -1578,7 +1653,7 @@ __device__ void attend_raw(const DecodeAttention& a, int64_t b, const Scales& sc
         qk_tile_ds<0, kHalfBlock, QL::kQSteps>(t, q, stage(slot), acc);
       else
         qk_tile_ds<kHalfBlock, kEntry / 64 - kHalfBlock, QL::kQSteps>(t, q, stage(slot), acc);
-      ds_combine_logits(t, stage(slot), acc, unscale, logits);
+      ds_combine_logits(t, stage(slot), acc, unscale, logits, tile_scales);
     } else {
       bool nan[2];  // unused: the f16 conversion keeps NaN
       if (t.half == 0)
@@ -1588,19 +1663,29 @@ __device__ void attend_raw(const DecodeAttention& a, int64_t b, const Scales& sc
             t, q, stage(slot), nullptr, logits, nan);
     }
     const uint32_t no_nan[2] = {0, 0};  // the f16 conversion keeps NaN
-    write_logits(t, logits, no_nan, tile_rows + slot * kTileTokens, w.first + tile * kTileTokens, scales.logit,
-                 scores + t.half * kTileRows * kScoreStride, t.c & 1);
-    __syncthreads();  // the logits are complete; P.V of tile - 1 is done with the P tiles and its stage
+    write_logits<kDsMla ? TokenOrder::kDsMla : TokenOrder::kFp8>(t, logits, no_nan, tile_rows + slot * kTileTokens,
+                                                                 w.first + tile * kTileTokens, scales.logit,
+                                                                 scores + t.half * kTileRows * kScoreStride);
+    __syncthreads();  // the logits are complete
     if (looks_up) tile_rows[slot * kTileTokens + lookup_token] = row_ahead;
+    const int p_parity = int(tile & 1);
+    uint8_t* p_tile = p_tiles + p_parity * L::kPTiles * kRawPBytes;
     bool changed;
     if constexpr (kDsMla)
-      changed = ds_softmax_rows(t, scores, stage(slot), p_tiles, state, units, stats);
+      changed = ds_softmax_rows(t, scores, tile_scales, p_tile, state, units, stats.factor[p_parity]);
     else
-      changed = softmax_rows<ActType::kF16, kRawPRowBytes>(t, scores, p_tiles, state, stats) != 1.0f;
+      changed = softmax_rows<ActType::kF16, kRawPRowBytes, false>(t, scores, p_tile, state,
+                                                                  stats.by_parity[p_parity]) != 1.0f;
+    if (kPvWithSoftmax && tile > 0) pv(tile - 1, prev);  // its P tile and factors are the other parity's
     rescale = __syncthreads_or(changed);  // the P tiles and the rows' factors are complete
     slot = slot + 1 == kRawStages ? 0 : slot + 1;
   }
   publish_row_state(t, state, row_stats(stats));
+  if constexpr (kDsMla)
+    if (t.lane % 16 == 0)
+#pragma unroll
+      for (int k = 0; k < kScaleTiles; ++k)
+        stats.unit[k][softmax_row(t)] = __uint_as_float(((units >> (8 * k)) & 0xFFu) << 23);
   __syncthreads();
   const float* unit = nullptr;  // fp8_ds_mla: out's unit R of this warp's scale tile, per row
   if constexpr (kDsMla) unit = stats.unit[scale_tile];
@@ -2291,7 +2376,7 @@ ffi::Error launch_wgmma_attention(cudaStream_t stream, const DecodeAttention& a,
 //   at S_q = 1, in a build that has the sm_89+ fp8 conversion (not JAX_KIMI_MLA_SOFTWARE_FP8).
 //   "mma" asks for attention_kernel instead.
 // - ds_attention_kernel ("ds16"): fp8_ds_mla at S_q = 1, in a build with the sm_89+ fp8
-//   conversion. Written and compiled, not yet run on a GPU: never the default.
+//   conversion. Correct, still slower than attention_kernel on the H200: never the default.
 // - wgmma_attention_kernel ("wgmma"): the 1-byte formats at S_q = 1 on an sm_90 GPU (wgmma is
 //   sm_90a's). Correct but slower than the others on the H200 (docs/DECODE_ATTENTION.md, "Ninth
 //   round"), so never the default.
