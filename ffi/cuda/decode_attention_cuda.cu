@@ -1233,7 +1233,7 @@ __device__ __forceinline__ uint32_t e4m3x2_half_to_f16x2(uint32_t x) {
 
 // out[16 x this warp's 64 columns] += P[16 x 64] V[64 x 64], V the codes of a raw tile of
 // kEntryBytes rows (the comment above): k-step k, B rows 2c, 2c + 1, 2c + 8, 2c + 9 are tokens
-// 16k + fp8_token of those.
+// 16k + ordered_token<kOrder> of those.
 template <int kEntryBytes, TokenOrder kOrder>
 __device__ __forceinline__ void pv_accumulate_fp8(const Lane& t, const uint32_t (&p)[kPvSteps][4], const uint8_t* raw,
                                                   float (&out)[kOutBlocks][4]) {
@@ -1438,7 +1438,7 @@ constexpr int kUnitSlack = 8;
 // softmax_rows for ds_attention_kernel: the row's probabilities p, and from them, per scale tile t,
 // P'_t = f16(p s_t / R_t) (the four P' tiles). R_t = 2^(E_t - 127) is a power of two per row that
 // follows the exponent field of the row's largest p s_t over the tile (E_max) only when E_max
-// leaves [E_t - kUnitSlack, E_t + kUnitSlack], so that it rarely changes (a tile where every
+// leaves [E_t - kUnitSlack, E_t + kUnitSlack], so that it changes less often (a tile where every
 // p s_t is 0 keeps it). `units` holds the row's E_t in its four bytes (127 at the start: R = 1).
 // Returns whether some factor (alpha x R_old / R_new) of the row is not 1.
 __device__ __forceinline__ bool ds_softmax_rows(const Lane& t, const float* scores, const float* tile_scales,
@@ -1464,7 +1464,7 @@ __device__ __forceinline__ bool ds_softmax_rows(const Lane& t, const float* scor
   }
   bool changed = alpha != 1.0f;
   uint32_t new_units = units;
-  if (__any_sync(0xFFFFFFFFu, leaves)) {  // rare: the warp's two rows reduce their largest p s_t
+  if (__any_sync(0xFFFFFFFFu, leaves)) {  // the uncommon path: the warp's two rows reduce their largest p s_t
 #pragma unroll
     for (int k = 0; k < kScaleTiles; ++k) {
 #pragma unroll
@@ -1491,19 +1491,19 @@ __device__ __forceinline__ bool ds_softmax_rows(const Lane& t, const float* scor
 
 // ---- fp8_attention_kernel and ds_attention_kernel: one loop ----
 
-
-// Where everything lives in dynamic shared memory: kRawStages raw stages, the logits, the P tile
-// (fp8_ds_mla: one P'_t per scale tile), the tiles' rows, the mbarriers, the per-row values (fp8_ds_mla:
-// DsStats), the query tile.
-// plain fp8's per-row values: the softmax's, the alphas by tile parity (P.V of tile i - 1 reads
+// Plain fp8's per-row values: the softmax's, the alphas by tile parity (P.V of tile i - 1 reads
 // its alphas while the softmax of tile i writes its own).
 struct Fp8Stats {
   RowStats by_parity[2];  // the rows' max and sum at the end in by_parity[0]
 };
 
+// Where everything lives in dynamic shared memory: kRawStages raw stages, the logits, the P tiles
+// by tile parity (fp8_ds_mla: one P'_t per scale tile), fp8_ds_mla's tile scales, the tiles' rows,
+// the mbarriers, the per-row values (Fp8Stats or DsStats), the query tile.
 template <CacheFormat kFormat>
 struct RawLayout {
   static constexpr bool kDsMla = kFormat == CacheFormat::kFp8DsMla;
+  static constexpr TokenOrder kOrder = kDsMla ? TokenOrder::kDsMla : TokenOrder::kFp8;  // of a tile's tokens
   using Stats = std::conditional_t<kDsMla, DsStats, Fp8Stats>;
   static constexpr int kPTiles = kDsMla ? kScaleTiles : 1;  // a tile's P (fp8_ds_mla: its P'_t)
   static constexpr int kEntryBytes = kDsMla ? kDsMlaEntryBytes : kEntry;
@@ -1632,7 +1632,7 @@ __device__ void attend_raw(const DecodeAttention& a, int64_t b, const Scales& sc
     }
     uint32_t p[kPvSteps][4];
     load_p_fragments<kRawPRowBytes>(t, p_tiles + (done_parity * L::kPTiles + scale_tile) * kRawPBytes, p);
-    pv_accumulate_fp8<L::kEntryBytes, kDsMla ? TokenOrder::kDsMla : TokenOrder::kFp8>(t, p, stage(done_slot), out);
+    pv_accumulate_fp8<L::kEntryBytes, L::kOrder>(t, p, stage(done_slot), out);
   };
   for (int64_t tile = 0;; ++tile) {
     const int prev = (slot + kRawStages - 1) % kRawStages, before = (slot + kRawStages - 2) % kRawStages;
@@ -1663,9 +1663,8 @@ __device__ void attend_raw(const DecodeAttention& a, int64_t b, const Scales& sc
             t, q, stage(slot), nullptr, logits, nan);
     }
     const uint32_t no_nan[2] = {0, 0};  // the f16 conversion keeps NaN
-    write_logits<kDsMla ? TokenOrder::kDsMla : TokenOrder::kFp8>(t, logits, no_nan, tile_rows + slot * kTileTokens,
-                                                                 w.first + tile * kTileTokens, scales.logit,
-                                                                 scores + t.half * kTileRows * kScoreStride);
+    write_logits<L::kOrder>(t, logits, no_nan, tile_rows + slot * kTileTokens, w.first + tile * kTileTokens,
+                            scales.logit, scores + t.half * kTileRows * kScoreStride);
     __syncthreads();  // the logits are complete
     if (looks_up) tile_rows[slot * kTileTokens + lookup_token] = row_ahead;
     const int p_parity = int(tile & 1);
