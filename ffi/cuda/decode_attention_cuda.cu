@@ -98,10 +98,11 @@
 // (A100: 163 KB, and no TMA) with an error naming the reference.
 //
 // History and measurements (H200): docs/DECODE_ATTENTION.md. At H = 12, B = 64, context 16k
-// (Nsight Compute): bf16 298-328 us (82-90% of the copy ceiling, varying by machine), plain fp8
-// 233 us (61%; fp8_attention_kernel 213-215 us by events, 66%), fp8_ds_mla 300 us (54%). Every format is bound by the latency of a tile's chain
-// of phases in one CTA (2.0-2.5 us per tile), which bf16's bytes nearly match and the 1-byte
-// formats' do not: with the whole context in L2 they run no faster. The split count is the
+// (bench_attention.py, 2026-12-02): bf16 312 us (91% of the copy ceiling), plain fp8 210 us (67%,
+// fp8_attention_kernel), fp8_ds_mla 295 us (55%). Every format is bound by the latency of a
+// tile's chain of dependent instructions in one warp (1.7-2.4 us per tile), which bf16's bytes
+// nearly match and the 1-byte formats' do not: with the whole context in L2 they run no faster,
+// and one barrier a tile instead of two ran slower (Thirteenth round). The split count is the
 // caller's choice: one CTA per SM, so num_splits * ceil(S_q*H / 16) * B should reach the SM count.
 #include <cuda.h>  // CUtensorMap (the driver is reached through the runtime: no link to libcuda)
 #include <cudaTypedefs.h>
