@@ -76,7 +76,7 @@
 //    converts them in registers, so no converted V tile is written or read (its section below).
 // 1c. ds_attention_kernel (opt-in, JAX_KIMI_MLA_DECODE_KERNEL=ds16; fp8_ds_mla at S_q = 1): the
 //    same for fp8_ds_mla on f16 MMAs, the tile scales out of the MMAs. Correct on the H200, still
-//    slower than attention_kernel (341 against 299 us at B 64 x 16k; its section below).
+//    slower than attention_kernel (320 against 297 us at B 64 x 16k; its section below).
 // 1d. wgmma_attention_kernel (opt-in, JAX_KIMI_MLA_DECODE_KERNEL=wgmma; sm_90, the 1-byte formats,
 //    S_q = 1), in place of the others: warp roles handing tiles over by mbarriers, wgmma
 //    with the tokens as M. Correct, still slower (its section below).
@@ -98,7 +98,7 @@
 // (A100: 163 KB, and no TMA) with an error naming the reference.
 //
 // History and measurements (H200): docs/DECODE_ATTENTION.md. At H = 12, B = 64, context 16k
-// (bench_attention.py, 2026-12-02): bf16 312 us (91% of the copy ceiling), plain fp8 210 us (67%,
+// (bench_attention.py, 2026-12-02): bf16 312 us (91% of the copy ceiling), plain fp8 197 us (72%,
 // fp8_attention_kernel), fp8_ds_mla 295 us (55%). Every format is bound by the latency of a
 // tile's chain of dependent instructions in one warp (1.7-2.4 us per tile), which bf16's bytes
 // nearly match and the 1-byte formats' do not: with the whole context in L2 they run no faster,
@@ -318,8 +318,8 @@ template <ActType kElem>
 __device__ __forceinline__ uint4 e4m3x8_placed(uint2 codes) {
 #if JKM_HARDWARE_FP8
   if constexpr (kElem == ActType::kF16) {
-    return make_uint4(e4m3x2_to_f16x2(uint16_t(codes.x)), e4m3x2_to_f16x2(uint16_t(codes.x >> 16)),
-                      e4m3x2_to_f16x2(uint16_t(codes.y)), e4m3x2_to_f16x2(uint16_t(codes.y >> 16)));
+    return make_uint4(e4m3x2_half_to_f16x2<0>(codes.x), e4m3x2_half_to_f16x2<1>(codes.x),
+                      e4m3x2_half_to_f16x2<0>(codes.y), e4m3x2_half_to_f16x2<1>(codes.y));
   } else
 #endif
   {
@@ -1214,23 +1214,15 @@ constexpr int kRawStages = 4;
 constexpr int kRawPRowBytes = 2 * kTileTokens + 16;      // a P tile's rows, 16-byte skewed
 constexpr int kRawPBytes = kTileRows * kRawPRowBytes;    // one P tile
 
-// The two codes of the low (high) 16 bits of x as their f16 pair, the first lowest (the build
-// without the instruction never launches the kernel: kFp8KernelBuilt). The halves are taken by
-// a vector move, so that ptxas reads the high one in place instead of shifting it down.
+#if !JKM_HARDWARE_FP8
+// Without the instruction (numerics.h), the kernels that convert by it still compile but are never
+// launched (kFp8KernelBuilt).
 template <int kHalf>
 __device__ __forceinline__ uint32_t e4m3x2_half_to_f16x2(uint32_t x) {
-#if JKM_HARDWARE_FP8
-  uint32_t d;
-  if constexpr (kHalf == 0)
-    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(d) : "r"(x));
-  else
-    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}\n" : "=r"(d) : "r"(x));
-  return d;
-#else
   __trap();
   return x;
-#endif
 }
+#endif
 
 // out[16 x this warp's 64 columns] += P[16 x 64] V[64 x 64], V the codes of a raw tile of
 // kEntryBytes rows (the comment above): k-step k, B rows 2c, 2c + 1, 2c + 8, 2c + 9 are tokens
@@ -1283,7 +1275,7 @@ __device__ __forceinline__ void pv_accumulate_fp8(const Lane& t, const uint32_t 
 //   by position to a small array (tile_scales) so that the softmax reads them without conflicts;
 //   R_t moves only when the tile's largest p s_t leaves a slack of 2^8 around it (kUnitSlack).
 // Correct on the H200 (its tests, compute-sanitizer memcheck 0 errors), still slower than
-// attention_kernel there: 341 against 299 us at B 64 x 16k, H 12 (docs/DECODE_ATTENTION.md,
+// attention_kernel there: 320 against 297 us at B 64 x 16k, H 12 (docs/DECODE_ATTENTION.md,
 // Twelfth round: its softmax still issues 1.6x plain fp8's instructions). Opt-in until faster.
 constexpr int kScaleTiles = kLatent / kDsMlaTile;  // 4
 static_assert(kWarps == 2 * kScaleTiles, "two warps' output columns per scale tile");

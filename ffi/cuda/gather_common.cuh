@@ -113,7 +113,7 @@ __device__ __forceinline__ void codes_to_f32(uint2 c, float x[8]) {
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
 #if JKM_HARDWARE_FP8
-      const uint32_t h = e4m3x2_to_f16x2(uint16_t(w[k] >> (16 * p)));
+      const uint32_t h = p == 0 ? e4m3x2_half_to_f16x2<0>(w[k]) : e4m3x2_half_to_f16x2<1>(w[k]);
 #else
       // The codes in the halves' high bytes.
       const uint32_t h = e4m3x2_placed_f16x2(__byte_perm(w[k], 0, p == 0 ? 0x1404 : 0x3424));

@@ -188,10 +188,17 @@ JKM_HD bool e4m3_has_nan(uint32_t codes4) { return (e4m3_nan_bits(codes4) & 0x80
 JKM_HD uint32_t e4m3x2_placed_f16x2(uint32_t h) { return (h & 0x80008000u) | ((h >> 1) & 0x3F803F80u); }
 
 #if JKM_HARDWARE_FP8
-// sm_89+: two codes (the first in the low byte) as their exact f16 pair, NaN kept, one instruction.
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint16_t codes) {
+// sm_89+: the two codes of the low (kHalf 0) or high (1) 16 bits of x (the first in the lower
+// byte) as their exact f16 pair, NaN kept, one instruction. The half is taken by a vector move,
+// so that ptxas reads the high one in place (F2FP ... .H1) instead of shifting it down first.
+template <int kHalf>
+__device__ __forceinline__ uint32_t e4m3x2_half_to_f16x2(uint32_t x) {
+  static_assert(kHalf == 0 || kHalf == 1);
   uint32_t d;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(d) : "h"(codes));
+  if constexpr (kHalf == 0)
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(d) : "r"(x));
+  else
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}\n" : "=r"(d) : "r"(x));
   return d;
 }
 #endif
