@@ -32,7 +32,8 @@ def main(argv=None) -> None:
         fmt, batch, context, heads = case.split(":")
         batch, context, heads = int(batch), int(context), int(heads)
         args = _workloads.attention_inputs(fmt, batch, context, heads)
-        default = ops.default_num_splits(batch, heads, context, sm_count)
+        cache_dtype = jax.numpy.bfloat16 if fmt == "bf16" else jax.numpy.uint8  # the rule needs 16 bits or not
+        default = ops.default_num_splits(batch, heads, context, sm_count, ops._decode_rows_per_cta(cache_dtype, batch, 1, heads))
         cells = []
         for splits in sorted({int(s) for s in opts.splits.split(",")} | {default}):
             if splits > -(-context // 64):

@@ -225,6 +225,11 @@ def fused_mla_decode_q_concat_kv_cache_insert(
 
 SPLIT_TOKENS = 64  # tokens of one split are whole 64-token tiles (DecodeAttention::kSplitTokens)
 ROWS_PER_CTA = 16  # query rows (S_q x heads) one CUDA block of the decode kernel takes
+# ... or 64, where the 64-row wgmma kernel takes the call: a 16-bit cache at S_q = 1 with at least
+# WIDE_MIN_ROWS heads (WIDE_MIN_ROWS_BATCHED from WIDE_MIN_BATCH sequences), on an sm_90 GPU
+# (decode_attention_cuda.cu: wide_attention_kernel, choose_kernel).
+WIDE_ROWS_PER_CTA = 64
+WIDE_MIN_ROWS, WIDE_MIN_ROWS_BATCHED, WIDE_MIN_BATCH = 64, 32, 8
 DEFAULT_SM_COUNT = 132  # an H100/H200, when no GPU is visible at trace time
 
 
@@ -240,6 +245,28 @@ def _sm_count() -> int:
     return getattr(jax.devices()[0], "core_count", None) or DEFAULT_SM_COUNT
 
 
+def _gpu_is_sm90() -> bool:
+    """Whether the default device is an sm_90 GPU (H100/H200), where the wgmma kernels run."""
+    if jax.default_backend() != "gpu":
+        return False
+    try:
+        return int(float(jax.devices()[0].compute_capability)) == 9
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
+def wide_kernel_applies(cache_dtype, batch: int, q_tokens: int, heads: int) -> bool:
+    """Whether the 64-row wgmma decode attention kernel takes a call of these sizes on sm_90."""
+    many = heads >= WIDE_MIN_ROWS or (heads >= WIDE_MIN_ROWS_BATCHED and batch >= WIDE_MIN_BATCH)
+    return jnp.dtype(cache_dtype).itemsize == 2 and q_tokens == 1 and many
+
+
+def _decode_rows_per_cta(cache_dtype, batch: int, q_tokens: int, heads: int) -> int:
+    """Query rows of one CUDA block of the decode attention kernel that the call will take."""
+    wide = wide_kernel_applies(cache_dtype, batch, q_tokens, heads) and _gpu_is_sm90()
+    return WIDE_ROWS_PER_CTA if wide else ROWS_PER_CTA
+
+
 def _gpu_before_hopper() -> bool:
     """Whether the default device is a GPU older than sm_90, where the decode attention kernel
     cannot run (it needs TMA and 178-222 KB of shared memory per block)."""
@@ -251,11 +278,11 @@ def _gpu_before_hopper() -> bool:
         return False
 
 
-def default_num_splits(batch: int, rows: int, max_len: int, sm_count: int) -> int:
-    """The split-KV count: the fewest splits whose CUDA blocks (batch x ceil(rows / 16) x splits)
-    keep >= 90% of the GPU's ``sm_count`` block slots busy in whole waves (else the best one),
-    at most one split per 64-token tile. One split (no combine launch) without a GPU."""
-    ctas = batch * -(-rows // ROWS_PER_CTA)
+def default_num_splits(batch: int, rows: int, max_len: int, sm_count: int, rows_per_cta: int = ROWS_PER_CTA) -> int:
+    """The split-KV count: the fewest splits whose CUDA blocks (batch x ceil(rows / rows_per_cta)
+    x splits) keep >= 90% of the GPU's ``sm_count`` block slots busy in whole waves (else the best
+    one), at most one split per 64-token tile. One split (no combine launch) without a GPU."""
+    ctas = batch * -(-rows // rows_per_cta)
     most = min(max(1, -(-max_len // SPLIT_TOKENS)), _checks.MAX_SPLITS)
     if sm_count <= 0 or ctas == 0:
         return 1
@@ -312,7 +339,7 @@ def mla_decode_attention(
             q_scale_inv=q_scale_inv, cache_scale_inv=cache_scale_inv, return_lse=return_lse)
     B, S, H = c.q.shape[:3]
     max_len = c.block_tables.shape[1] * c.kv_cache.shape[1]
-    splits = c.num_splits or default_num_splits(B, S * H, max_len, _sm_count())
+    splits = c.num_splits or default_num_splits(B, S * H, max_len, _sm_count(), _decode_rows_per_cta(c.kv_cache.dtype, B, S, H))
     scales = [_reader_scale(c.q_scale_inv), _reader_scale(c.cache_scale_inv)]
     partials = (splits * B * S * H * (_checks.L + 1),) if splits > 1 else (0,)
     # The FFI query is [B * S_q, H, 576]: the decode epilogue's mqa_q as it comes.

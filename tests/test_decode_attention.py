@@ -18,6 +18,9 @@ Tolerances, against the float32 reference on the same dequantized cache:
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -225,6 +228,11 @@ def test_default_split_count_fills_the_gpu():
     assert split(64, 12, 16384, 132) == 2  # 128 blocks: one wave of 132 SMs
     assert split(4096, 12, 16384, 132) == 1
     assert split(1, 12, 64, 132) == 1  # never more splits than tiles
+    assert split(1, 128, 4096, 132, rows_per_cta=64) == 63  # the 64-row kernel: 2 blocks a split, 126 in all
+    assert split(64, 128, 8192, 132, rows_per_cta=64) == 1
+    wide = jax_kimi_mla.ops.wide_kernel_applies  # the 64-row kernel (sm_90): 16-bit caches, S_q = 1, many rows
+    assert wide(jnp.bfloat16, 1, 1, 64) and wide(jnp.float16, 8, 1, 32) and not wide(jnp.bfloat16, 4, 1, 32)
+    assert not wide(jnp.bfloat16, 64, 2, 64) and not wide(jnp.uint8, 64, 1, 128) and not wide(jnp.float8_e4m3fn, 64, 1, 128)
 
 
 def test_gpus_before_hopper_fall_back_to_the_reference(monkeypatch):
@@ -285,6 +293,67 @@ def test_cuda_kernels_taken_on_request(monkeypatch, kernel, fmt, q_dtype, case):
     assert_close(fmt, q_dtype, poisoned_run(args, dict(kw, **splits), "cuda"), want)
     if case == "nan":
         assert np.isnan(want[1][0]).all() and np.isfinite(want[1][1]).all()
+
+
+def gpu_kernel_names(fn) -> set[str]:
+    """The names of the GPU kernels that fn() runs (from a profiler trace's stream lines)."""
+    with tempfile.TemporaryDirectory(prefix="jkm_kernels_") as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        try:
+            jax.block_until_ready(fn())
+        finally:
+            jax.profiler.stop_trace()
+        data = jax.profiler.ProfileData.from_file(str(next(Path(trace_dir).rglob("*.xplane.pb"))))
+    return {
+        event.name
+        for plane in data.planes
+        if plane.name.startswith("/device:GPU:")
+        for line in plane.lines
+        if line.name.startswith("Stream")
+        for event in line.events
+    }
+
+
+# Many heads over a 16-bit cache at S_q = 1: from WIDE_MIN_ROWS heads an sm_90 GPU takes the
+# 64-row wgmma kernel (wide_attention_kernel) by default; "mma" asks for the 16-row one, "wide"
+# for the 64-row one with fewer heads too. Rows that are not a multiple of 64 (padding rows), any
+# block size, split counts, a NaN in a length.
+WIDE_CASES = {
+    "64 heads": dict(lens=(0, 1, 63, 64, 65, 700), heads=64, block_size=16),
+    "24 heads": dict(lens=(0, 1, 63, 64, 65, 700), heads=24, block_size=64),
+    "32 heads, 8 sequences": dict(lens=(0, 1, 63, 64, 65, 700, 300, 129), heads=32, block_size=64),
+    "32 heads, 6 sequences": dict(lens=(0, 1, 63, 64, 65, 700), heads=32, block_size=64),
+    "96 heads": dict(lens=(300, 5, 129), heads=96, block_size=64),
+    "128 heads, long": dict(lens=(3000, 1, 2049), heads=128, block_size=128),
+    "80 heads, block 48": dict(lens=(0, 145, 300), heads=80, block_size=48),
+    "one split": dict(lens=(700, 64, 0, 129), heads=64, block_size=32, num_splits=1),
+    "many splits": dict(lens=(700, 64, 0, 129), heads=64, block_size=32, num_splits=40),
+    "nan": dict(lens=(40, 40), heads=64, nan_token=(0, 35)),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", WIDE_CASES)
+@pytest.mark.parametrize("kernel", ("default", "mma", "wide"))
+@pytest.mark.parametrize("q_dtype", ("bfloat16", "float16"))
+def test_cuda_many_heads(monkeypatch, q_dtype, kernel, case):
+    if kernel != "default":
+        monkeypatch.setenv("JAX_KIMI_MLA_DECODE_KERNEL", kernel)
+    spec = dict(WIDE_CASES[case])
+    splits = {"num_splits": spec.pop("num_splits")} if "num_splits" in spec else {}
+    args, kw = make_case("bf16", q_dtype, seed=6, **spec)
+    want = run(reference.mla_decode_attention, args, kw, "cpu")
+    assert_close("bf16", q_dtype, poisoned_run(args, dict(kw, **splits), "cuda"), want)
+    if case == "nan":
+        assert np.isnan(want[1][0]).all() and np.isfinite(want[1][1]).all()
+    if case in ("64 heads", "24 heads", "32 heads, 8 sequences", "32 heads, 6 sequences"):  # the kernel the call took
+        names = gpu_kernel_names(lambda: run(jax_kimi_mla.mla_decode_attention, args, kw, "cuda"))
+        if not names:  # the values were checked; only the trace is missing
+            pytest.skip("no GPU kernels in the profiler's trace (compute-sanitizer holds the profiling interface)")
+        wide = any("wide_attention_kernel" in n for n in names)
+        applies = jax_kimi_mla.ops.wide_kernel_applies(jnp.bfloat16, len(spec["lens"]), 1, spec["heads"])
+        chosen = kernel == "wide" or (kernel == "default" and applies)
+        assert wide == (chosen and jax_kimi_mla.ops._gpu_is_sm90()), sorted(names)
 
 
 @pytest.mark.cuda

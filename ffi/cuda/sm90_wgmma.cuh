@@ -1,7 +1,8 @@
 // sm_90a warpgroup MMA (wgmma) from shared memory: the matrix descriptors of 128-byte swizzled
-// tiles and the m64n16k16 MMA with float32 accumulation. wgmma exists on sm_90a only (not on
-// sm_100, whose tensor cores take other instructions): for every other target these compile to
-// traps, and the host launches the kernels that use them on sm_90 GPUs only.
+// tiles and the m64n16k16 and m64n64k16 MMAs with float32 accumulation. wgmma exists
+// on sm_90a only (not on sm_100, whose tensor cores take other instructions): for every other
+// target these compile to traps, and the host launches the kernels that use them on sm_90 GPUs
+// only.
 #pragma once
 
 #include <cstdint>
@@ -48,16 +49,57 @@ __device__ __forceinline__ void wgmma_m64n16k16(float (&d)[8], uint64_t a, uint6
 #undef JKM_WGMMA
 }
 
+// The 32 float32 accumulators a thread of a m64n64 wgmma: the m16n8 accumulators of n-blocks
+// 0..7 of warp w's rows 16w..16w + 15, 4 a block.
+#define JKM_WGMMA_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define JKM_WGMMA_D32_OPERANDS \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+
+// D[64 x 64] (+)= A[64 x 16] B[16 x 64], 16-bit operands from shared memory: A K-major, B K-major
+// (kTransB 0) or MN-major (1).
+template <bool kF16, int kTransB>
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
+#define JKM_WGMMA(type)                                                                                 \
+  SM90A_ASM("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n wgmma.mma_async.sync.aligned.m64n64k16.f32." type \
+            "." type " " JKM_WGMMA_D32 ", %32, %33, p, 1, 1, 0, %35;\n}\n"                                  \
+            : JKM_WGMMA_D32_OPERANDS                                                                    \
+            : "l"(a), "l"(b), "r"(accumulate), "n"(kTransB))
+  if constexpr (kF16) JKM_WGMMA("f16");
+  else JKM_WGMMA("bf16");
+#undef JKM_WGMMA
+}
+
+// D[64 x 64] (+)= A[64 x 16] B[16 x 64], 16-bit operands: A from registers (the m16n8k16 A
+// fragments of warp w's rows 16w..16w + 15), B from shared memory, K-major (kTransB 0) or
+// MN-major (1).
+template <bool kF16, int kTransB>
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b,
+                                                   int accumulate) {
+#define JKM_WGMMA(type)                                                                                 \
+  SM90A_ASM("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n wgmma.mma_async.sync.aligned.m64n64k16.f32." type \
+            "." type " " JKM_WGMMA_D32 ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"                    \
+            : JKM_WGMMA_D32_OPERANDS                                                                    \
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(kTransB))
+  if constexpr (kF16) JKM_WGMMA("f16");
+  else JKM_WGMMA("bf16");
+#undef JKM_WGMMA
+}
+#undef JKM_WGMMA_D32
+#undef JKM_WGMMA_D32_OPERANDS
+
 __device__ __forceinline__ void wgmma_fence() { SM90A_ASM("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 // wgmma_fence after the last ordinary writes to accumulators `acc` (e.g. a rescale): the empty asm
 // statements pin those writes before the fence, which the compiler would otherwise sink past it
 // (ptxas then fences every wgmma of the group again: C7519).
-template <int kBlocks>
-__device__ __forceinline__ void wgmma_fence_after(float (&acc)[kBlocks][8]) {
+template <int kBlocks, int kPerBlock>
+__device__ __forceinline__ void wgmma_fence_after(float (&acc)[kBlocks][kPerBlock]) {
 #pragma unroll
   for (int i = 0; i < kBlocks; ++i)
 #pragma unroll
-    for (int j = 0; j < 8; ++j) asm volatile("" : "+f"(acc[i][j])::"memory");
+    for (int j = 0; j < kPerBlock; ++j) asm volatile("" : "+f"(acc[i][j])::"memory");
   wgmma_fence();
 }
 __device__ __forceinline__ void wgmma_commit() { SM90A_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
