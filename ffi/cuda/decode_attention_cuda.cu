@@ -80,6 +80,9 @@
 // 1d. wgmma_attention_kernel (opt-in, JAX_KIMI_MLA_DECODE_KERNEL=wgmma; sm_90, the 1-byte formats,
 //    S_q = 1), in place of the others: warp roles handing tiles over by mbarriers, wgmma
 //    with the tokens as M. Correct, still slower (its section below).
+// 1e. wide_attention_kernel (the default for a 16-bit cache at S_q = 1 with many query rows, on
+//    sm_90): 64 rows a CTA on wgmma, the query tile resident in shared memory, so that a tile is
+//    read and multiplied once per 64 heads instead of 16 (its section below).
 // 2. combine_kernel (num_splits > 1 only), one CTA per (row, sequence), 16 warps when the rows
 //    are fewer than twice the SMs (a row's splits loaded in one round), else 4: the live splits
 //    merged with weights exp(lse_s - max lse); empty (-inf) splits are skipped and their outputs
@@ -2289,10 +2292,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) wgmma_attention_kernel(const De
 // ---- Many query rows over a 16-bit cache: 64 rows a CTA on wgmma ----
 //
 // wide_attention_kernel takes attention_kernel's place for a bf16/f16 cache at S_q = 1 when a
-// sequence has many query rows (H >= 64, or H >= 32 from B = 8: DeepSeek's 128 heads without TP or
-// 32 at TP 4, Kimi-K3's 96 under data-parallel attention). attention_kernel's 16-row CTAs read every tile once
-// per 16 heads and issue 544 mma.sync a tile; here a CTA takes 64 rows, the M of wgmma, so a tile
-// is read once per 64 heads and its math is 68 asynchronous wgmma:
+// sequence has many query rows (H >= 64, or H >= 32 from B = 8: DeepSeek's 128 heads without TP
+// or 32 at TP 4, Kimi-K3's 96 under data-parallel attention). attention_kernel's 16-row CTAs read
+// every tile once per 16 heads and issue 544 mma.sync a tile; here a CTA takes 64 rows, the M of
+// wgmma, so a tile is read once per 64 heads and its math is 68 asynchronous wgmma:
 // - Two warpgroups, one CTA per SM. The query tile (64 x 576, 72 KB) stays in shared memory for
 //   the whole split, in the layout the cache tiles land in (nine 64-column chunks of 64 rows x 128
 //   bytes, 128-byte swizzled: the K-major operand layout of wgmma). Two 72 KB stages, landed by
@@ -2315,8 +2318,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) wgmma_attention_kernel(const De
 //   query tile being read from shared memory twice a tile.
 constexpr int kWideRows = 64;            // query rows per CTA: the M of wgmma
 // The kernel takes sequences of at least kWideMinRows rows, or of kWideMinRowsBatched in batches of
-// kWideMinBatch or more (ops._decode_rows_per_cta): at 32 heads it is 14-26% faster from B = 8 on,
-// and 20% slower at B = 1, context 4096 (docs/DECODE_ATTENTION.md, Fourteenth round).
+// kWideMinBatch or more (the same rule: ops.wide_kernel_applies): at 32 heads it is 14-26% faster
+// from B = 8 on, and 15% slower at B = 1, context 4096 (docs/DECODE_ATTENTION.md, Fourteenth round).
 constexpr int kWideMinRows = 64, kWideMinRowsBatched = 32, kWideMinBatch = 8;
 constexpr int kWideThreads = kThreads;   // two warpgroups (issue_swizzled_tile, zero_masked_rows count on 256)
 constexpr int kWideGroupChunks = kLatent / 64 / 2;  // P.V: the 64-column output chunks of a warpgroup
@@ -2335,7 +2338,8 @@ struct WideLayout {
   static constexpr int kBarriers = kZeroRows + 16;                         // uint64 [2]
   static constexpr int kBytes = kBarriers + 16;
   static_assert(kBytes <= 232448, "more than sm_90's 227 KB of shared memory per block");
-  static_assert(2 * kTileBytes >= kWideRows * kStagingStride * int(sizeof(float)), "the output rows are staged over the stages");
+  static_assert(2 * kTileBytes >= kWideRows * kStagingStride * int(sizeof(float)),
+                "the output rows are staged over the stages");
 };
 
 template <ActType kElem>
@@ -2642,8 +2646,8 @@ ffi::Error launch_wgmma_attention(cudaStream_t stream, const DecodeAttention& a,
 //   sm_90a's). Correct but slower than the others on the H200 (docs/DECODE_ATTENTION.md, "Ninth
 //   round"), so never the default.
 // - wide_attention_kernel (the default where it applies): a 16-bit cache at S_q = 1 with many query
-//   rows (kWideMinRows, or fewer in larger batches), on an sm_90 GPU, in a build with sm_90a code (wgmma). "mma" asks for
-//   attention_kernel instead, "wide" for this kernel with fewer rows too.
+//   rows (kWideMinRows, or fewer in larger batches), on an sm_90 GPU, in a build with sm_90a code
+//   (wgmma). "mma" asks for attention_kernel instead, "wide" for this kernel with fewer rows too.
 // - attention_kernel: everything else.
 enum class DecodeKernel { kMma, kFp8, kDs, kWgmma, kWide };
 
@@ -2668,8 +2672,9 @@ DecodeKernel choose_kernel(const DecodeAttention& a, int major) {
     return DecodeKernel::kFp8;
   if (choice == "ds16" && kFp8KernelBuilt && a.cache_format == CacheFormat::kFp8DsMla && a.q_tokens == 1)
     return DecodeKernel::kDs;
+  const bool many_rows = a.rows() >= kWideMinRows || (a.rows() >= kWideMinRowsBatched && a.batch >= kWideMinBatch);
   if (choice != "mma" && kWgmmaBuilt && major == 9 && a.cache_format == CacheFormat::kBf16 && a.q_tokens == 1 &&
-      (a.rows() >= kWideMinRows || (a.rows() >= kWideMinRowsBatched && a.batch >= kWideMinBatch) || choice == "wide"))
+      (many_rows || choice == "wide"))
     return DecodeKernel::kWide;
   return DecodeKernel::kMma;
 }
@@ -2704,7 +2709,8 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a) {
   const bool f16 = mma_type(a) == ActType::kF16;
   ffi::Error err = ffi::Error::Success();
   if (kernel == DecodeKernel::kWide) {
-    err = f16 ? launch_wide_attention<ActType::kF16>(stream, a, grid) : launch_wide_attention<ActType::kBF16>(stream, a, grid);
+    err = f16 ? launch_wide_attention<ActType::kF16>(stream, a, grid)
+              : launch_wide_attention<ActType::kBF16>(stream, a, grid);
   } else if (kernel == DecodeKernel::kFp8) {
     err = launch_with_shared_memory(stream, fp8_attention_kernel, grid, kThreads, RawLayout<CacheFormat::kFp8>::kBytes, a);
   } else if (kernel == DecodeKernel::kDs) {
