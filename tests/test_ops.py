@@ -219,10 +219,11 @@ def test_cuda_128_heads(fmt):
 def test_cuda_matches_cpu_handler_across_head_counts(fmt, style):
     """The kernel cuts each part of a token's lanes (the cache entry, a head row's nope or pe
     lanes) into blocks whose size it picks per call: head counts that fill them unevenly give the
-    CPU handler's bits, the untouched cache rows included."""
+    CPU handler's bits, the untouched cache rows included. From 33 heads a thread of prefill's
+    shared k_pe part stores its rotated chunk for several heads (130 GPT-J heads: in two blocks)."""
     extra = {} if style is None else {"rope_style": style}
     step = jax.jit(lambda a: invoke(jax_kimi_mla, fmt, dict(a, **extra)))
-    for heads in (2, 3, 7, 17, 33, 65):
+    for heads in (2, 3, 7, 17, 33, 65, 96, 130):
         a = make_case(Case(fmt, 6, heads, rope=style is not None, seed=heads))
         gpu, cpu = to_numpy(step(put(a, "cuda"))), to_numpy(step(put(a, "cpu")))
         for (name, _, _), g, c in zip(OUTPUTS[fmt], gpu, cpu):

@@ -11,8 +11,11 @@
 // never read after another thread wrote it). Each thread owns kLanesPerThread lanes and runs in
 // two phases, all loads, then the arithmetic and stores; a pe lane loads its own slice of the
 // token's cos/sin row (after the position), so no lane waits for another and the kernel has no
-// block-wide barrier. The 16 lanes of a ds_mla scale tile are one half warp (threads 0..63 of the
-// cache part's block) and reduce their amax by shuffles.
+// block-wide barrier. A thread's lanes of a pe part are one pe chunk of different heads: they
+// share one cos/sin slice, and where all heads share the pe source (prefill's k = [k_nope | k_pe])
+// one value, which the thread finishes once and stores for each (run_shared_pe_part). The 16
+// lanes of a ds_mla scale tile are one half warp (threads 0..63 of the cache part's block) and
+// reduce their amax by shuffles.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -24,6 +27,7 @@ namespace {
 
 constexpr int kMaxThreads = 256;
 constexpr int kLanesPerThread = 2;  // in most parts (Parts::lanes_per_thread)
+constexpr int kSharedPeLanes = 4;   // in a part of shared pe lanes: one rotation, four stores
 constexpr int64_t kMaxGridY = 65535;
 
 // Where one lane reads and writes. dst is null when nothing is stored (a skipped slot); for a
@@ -54,13 +58,21 @@ struct Parts {
   static constexpr int kCacheLanes = kLatent / kChunk + pe_lanes<kRopeOn, kStyle>(kRopeChunks);
   // Lanes per thread: one in the cache part (its block has at least kCacheLanes threads, and the
   // ds_mla quantization's registers are one lane's) and in a NeoX pe part (whose lanes own two
-  // chunks each already).
+  // chunks each already); kSharedPeLanes in a shared pe part, whose lanes of one thread are one
+  // chunk of several heads (one value). (Four lanes a thread in the other pe parts, sharing one
+  // cos/sin slice, took the GPT-J kernels from 32 to 48 registers: not tried on the GPU.)
   static JKM_HD constexpr int lanes_per_thread(int p) {
+    if (p > 0 && shared_pe(p)) return kSharedPeLanes;
     const bool neox_pe = kRopeOn && kStyle == RopeStyle::kNeox && p > 0 && pe_only(p);
     return p == 0 || neox_pe ? 1 : kLanesPerThread;
   }
   // Whether head-row part p (p >= 1) holds pe lanes only.
   static JKM_HD constexpr bool pe_only(int p) { return (p - 1) % 2 == 1; }
+  // Whether head-row part p (p >= 1) holds the pe lanes of a row whose pe source all heads share:
+  // its lane h * per_head + j is chunk j of head h, the same value for every h.
+  static JKM_HD constexpr bool shared_pe(int p) {
+    return kRopeOn && pe_only(p) && op_shape(op, kRopeOn).rows[(p - 1) / 2].shared_pe;
+  }
   // Lanes per head of head-row part p.
   static JKM_HD constexpr int per_head(int p) {
     const RowShape r = op_shape(op, kRopeOn).rows[(p - 1) / 2];
@@ -127,10 +139,45 @@ __device__ __forceinline__ Lane locate_in_head_row(const Epilogue& e, int64_t t,
   return l;
 }
 
+// A shared pe part (Parts::shared_pe): thread i's lanes i, i + blockDim.x, ... are one chunk j
+// (blockDim.x is a multiple of the per-head lane count) of several heads, so it loads, rotates and
+// quantizes that chunk once and stores it for each head.
+template <Op op, bool kRopeOn, RopeStyle kStyle, ActType kAct, int p>
+__device__ __forceinline__ void run_shared_pe_part(const Epilogue& e, int64_t t, int seg, int part_lanes) {
+  constexpr RowShape shape = op_shape(op, kRopeOn).rows[(p - 1) / 2];
+  constexpr int kLanes = Parts<op, kRopeOn, kStyle>::lanes_per_thread(p);
+  constexpr bool kNeox = kStyle == RopeStyle::kNeox;
+  const int first = seg * int(blockDim.x) * kLanes + int(threadIdx.x);
+  if (first >= part_lanes) return;
+  const Lane l = locate_in_head_row<op, kRopeOn, kStyle, p>(e, t, first);
+  const Raw16 raw = load16(l.src);
+  Raw16 partner;
+  if constexpr (kNeox) partner = load16(l.partner);
+  const float mult = shape.fp8 ? __ldg(e.head_rows[(p - 1) / 2].scale_inv) : 0.0f;
+  const RopeSlice slice = rope_slice(kStyle, e.rope_row(t), l.pe);
+  // With NeoX the lane's second chunk is finished and stored after the first, so that only one
+  // result is live (both at once cost the f16 kernels twice their registers).
+#pragma unroll
+  for (int half = 0; half < (kNeox ? 2 : 1); ++half) {
+    const Raw16 out = half == 0 ? finish_chunk(kAct, raw, true, slice, kStyle, partner, l.pe, shape.fp8, mult)
+                                : finish_chunk(kAct, partner, true, slice, kStyle, raw, l.pe + kNeoxPartnerChunk,
+                                               shape.fp8, mult);
+#pragma unroll 1
+    for (int k = 0; k < kLanes; ++k) {
+      const int lane = first + k * int(blockDim.x);
+      if (lane >= part_lanes) break;
+      const Lane lk = locate_in_head_row<op, kRopeOn, kStyle, p>(e, t, lane);
+      store_chunk(half == 0 ? lk.dst : lk.partner_dst, out, shape.fp8);
+    }
+  }
+}
+
 // Part p's lanes [seg * blockDim.x * lanes_per_thread(p), ...) of token t; thread i takes lanes
 // i, i + blockDim.x, ... of that range.
 template <Op op, bool kRopeOn, RopeStyle kStyle, ActType kAct, int p>
 __device__ __forceinline__ void run_part(const Epilogue& e, int64_t t, int seg, int part_lanes) {
+  if constexpr (p > 0 && Parts<op, kRopeOn, kStyle>::shared_pe(p))
+    return run_shared_pe_part<op, kRopeOn, kStyle, kAct, p>(e, t, seg, part_lanes);
   constexpr OpShape shape = op_shape(op, kRopeOn);
   constexpr bool kCachePart = p == 0;
   constexpr bool kDsMla = kCachePart && shape.cache == CacheFormat::kFp8DsMla;
@@ -163,14 +210,17 @@ __device__ __forceinline__ void run_part(const Epilogue& e, int64_t t, int seg, 
   const float* rope_row = rotates ? e.rope_row(t) : nullptr;
 
   // Phase 2: arithmetic and stores, a pe lane's slice of the cos/sin row loaded first (loaded
-  // in phase 1, the slices of two lanes would hold registers that cost occupancy).
+  // in phase 1, the slices of two lanes would hold registers that cost occupancy). In a pe part
+  // a thread's lanes are one pe chunk of different heads (blockDim.x is a multiple of the lanes
+  // per head): one slice serves them all.
+  constexpr bool kOneSlice = kRopeOn && !kCachePart && Parts<op, kRopeOn, kStyle>::pe_only(p);
+  RopeSlice slice;
 #pragma unroll
   for (int k = 0; k < kLanes; ++k) {
     const Lane& l = lanes[k];
     if (l.src == nullptr) continue;
     const bool rotate = kRopeOn && l.pe >= 0;
-    RopeSlice slice;
-    if (rotate) slice = rope_slice(kStyle, rope_row, l.pe);
+    if (rotate && (!kOneSlice || k == 0)) slice = rope_slice(kStyle, rope_row, l.pe);
     constexpr bool kPairs = kRopeOn && kStyle == RopeStyle::kNeox;  // pe lanes own two chunks
     if constexpr (kDsMla) {
       auto* entry = static_cast<uint8_t*>(l.dst);

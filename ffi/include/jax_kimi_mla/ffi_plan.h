@@ -31,11 +31,14 @@ enum class Op {
 };
 
 // The per-head rows each op writes, in order, as compile-time shapes: the chunks read from the
-// row's nope and pe sources, and whether it is stored as E4M3. make_plan fills its RowSpecs from
-// these; the CUDA kernel is compiled for each.
+// row's nope and pe sources, whether it is stored as E4M3, and whether its pe source is one row
+// shared by all heads (prefill's k_pe: the CUDA kernel then rotates it once per token and chunk,
+// not once per head). make_plan fills its RowSpecs from these; the CUDA kernel is compiled for
+// each.
 struct RowShape {
   int nope_chunks = 0, pe_chunks = 0;
   bool fp8 = false;
+  bool shared_pe = false;
   JKM_HD constexpr int chunks() const { return nope_chunks + pe_chunks; }
 };
 
@@ -46,7 +49,7 @@ struct OpShape {
 };
 
 JKM_HD constexpr OpShape op_shape(Op op, bool rope) {
-  constexpr RowShape k{kNope / kChunk, kRopeChunks, false};  // prefill k = [k_nope | k_pe]
+  constexpr RowShape k{kNope / kChunk, kRopeChunks, false, true};  // prefill k = [k_nope | k_pe]
   constexpr RowShape q_pe{0, kRopeChunks, false};            // prefill q[..., 128:], in place
   constexpr RowShape mqa_q{kLatent / kChunk, kRopeChunks, false};  // decode [ql_nope | q_pe]
   switch (op) {
@@ -57,7 +60,7 @@ JKM_HD constexpr OpShape op_shape(Op op, bool rope) {
     }
     case Op::prefill_fp8:  // q, k, v
       return OpShape{CacheFormat::kFp8, 3,
-                     {{kNope / kChunk, kRopeChunks, true}, {kNope / kChunk, kRopeChunks, true},
+                     {{kNope / kChunk, kRopeChunks, true}, {kNope / kChunk, kRopeChunks, true, true},
                       {kVHead / kChunk, 0, true}}};
     case Op::decode_kv_cache: return OpShape{CacheFormat::kBf16, 1, {mqa_q}};
     case Op::decode_fp8:
@@ -279,6 +282,8 @@ inline ffi::Error make_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets r
   // The next head row: its chunk counts come from the op's shape.
   const auto add_row = [&](Strided<const uint16_t> nope, Strided<const uint16_t> pe, Strided<void> out,
                            const float* scale_inv) {
+    ck.expect(!shape.rows[e.num_head_rows].shared_pe || pe.per_head == 0,
+              "internal: a shared pe row must read one pe row for all heads");
     e.head_rows[e.num_head_rows] = row_spec(shape.rows[e.num_head_rows], nope, pe, out, scale_inv);
     ++e.num_head_rows;
   };
