@@ -365,3 +365,15 @@ def test_cuda_combine_of_many_rows(fmt, q_dtype):
     args, kw = make_case(fmt, q_dtype, lens=lens, q_tokens=2, heads=16, block_size=32, seed=11)
     want = run(reference.mla_decode_attention, args, kw, "cpu")
     assert_close(fmt, q_dtype, poisoned_run(args, dict(kw, num_splits=5), "cuda"), want)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batch", (1, 3, 6), ids=lambda b: f"B{b}")
+def test_cuda_combine_of_few_rows(batch):
+    """16, 48 and 96 rows: on an H100/H200 (132 SMs) the combine then takes each row's columns in
+    4, 2 and 1 CTAs (each CTA merges the same weights for its columns; the first writes lse), a
+    row's splits in one round; ragged lengths, so that rows merge different counts of live splits."""
+    lens = (700, 0, 129, 640, 1, 511)[:batch]
+    args, kw = make_case("bf16", "bfloat16", lens=lens, heads=16, block_size=64, seed=12 + batch)
+    want = run(reference.mla_decode_attention, args, kw, "cpu")
+    assert_close("bf16", "bfloat16", poisoned_run(args, dict(kw, num_splits=11), "cuda"), want)

@@ -84,7 +84,8 @@
 //    sm_90): 64 rows a CTA on wgmma, the query tile resident in shared memory, so that a tile is
 //    read and multiplied once per 64 heads instead of 16 (its section below).
 // 2. combine_kernel (num_splits > 1 only), one CTA per (row, sequence), 16 warps when the rows
-//    are fewer than twice the SMs (a row's splits loaded in one round), else 4: the live splits
+//    are fewer than twice the SMs (a row's splits loaded in one round; a row's columns in 2 or 4
+//    CTAs where the SMs outnumber the rows that much), else 4: the live splits
 //    merged with weights exp(lse_s - max lse); empty (-inf) splits are skipped and their outputs
 //    never read; a NaN lse makes the row NaN.
 //
@@ -519,6 +520,13 @@ __device__ __forceinline__ void box_copy(void* dst, const CUtensorMap& map, int 
 struct TileMaps {
   CUtensorMap tile, group;
 };
+
+// At the kernel's start, off the prologue's chain: the first copies then find the descriptors
+// cached (a one-tile CTA at B = 1 otherwise waits for their fetch).
+__device__ __forceinline__ void prefetch_tile_maps(const TileMaps& maps) {
+  if (threadIdx.x == 0) prefetch_tensor_map(&maps.tile);
+  if (threadIdx.x == 32) prefetch_tensor_map(&maps.group);
+}
 
 // Byte offset of 16-byte piece `piece` (of 72) of row `row` in a swizzled 16-bit tile.
 __device__ __forceinline__ int swizzled_offset(int row, int piece) {
@@ -1184,6 +1192,7 @@ template <CacheFormat kFormat, ActType kElem>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     attention_kernel(const DecodeAttention a, const __grid_constant__ TileMaps maps) {
   extern __shared__ __align__(1024) uint8_t smem[];
+  if constexpr (Layout<kFormat>::kSwizzled) prefetch_tile_maps(maps);
   const Scales scales = load_scales<kFormat>(a);
   for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) attend<kFormat, kElem>(a, maps, b, scales, smem);
 }
@@ -1699,56 +1708,66 @@ __global__ void __launch_bounds__(kThreads, 1) ds_attention_kernel(const DecodeA
   for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) attend_raw<CacheFormat::kFp8DsMla>(a, b, scales, smem);
 }
 
-// One CTA per (query row, sequence): out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max lse)
-// over the live splits whose lse is not -inf; lse = max + log(sum w_s). At B = 1 the combine is
-// on the critical path of a call, so its loads are few rounds of latency: warp w merges splits
-// w, w + 16, ... in rounds of kCombineRound splits whose lse and outputs are all loaded at once
-// (lane: columns 4 lane + 128 k), with its own running max; the warps' sums then meet, rescaled
-// to the common max, in a fixed order. An empty (-inf) split is skipped and its outputs never
-// enter the sums; a NaN lse makes the row NaN.
+// One CTA per (query row, sequence, column part): out = sum_s w_s o_s / sum_s w_s,
+// w_s = exp(lse_s - max lse) over the live splits whose lse is not -inf; lse = max + log(sum w_s).
+// At B = 1 the combine is on the critical path of a call, so its loads are few rounds of latency:
+// warp w merges splits w, w + kCombineWarps, ... in rounds of kCombineRound splits whose lse and
+// outputs are all loaded at once (lane: columns 4 lane + 128 k of the CTA's part), with its own
+// running max; the warps' sums then meet, rescaled to the common max, in a fixed order. With few
+// rows, a row's 512 columns are split over kColumnParts CTAs, so that more SMs share its loads
+// (each part computes the same weights; part 0 writes the lse). An empty (-inf) split is skipped
+// and its outputs never enter the sums; a NaN lse makes the row NaN.
 constexpr int kCombineRound = 4;
 
-template <int kCombineWarps>
+template <int kCombineWarps, int kColumnParts>
 __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const DecodeAttention a) {
-  __shared__ __align__(16) float warp_acc[kCombineWarps][kLatent];
+  constexpr int kPartColumns = kLatent / kColumnParts;
+  constexpr int kLaneChunks = kPartColumns / 128;  // float4 of a lane per split
+  static_assert(kLaneChunks >= 1, "a part holds whole 128-column chunks");
+  __shared__ __align__(16) float warp_acc[kCombineWarps][kPartColumns];
   __shared__ float warp_weight[kCombineWarps], warp_max[kCombineWarps], warp_factor[kCombineWarps], row_stats[2];
   static_assert(kCombineWarps <= 32, "warp 0 rescales the warps' sums, a lane each");
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const int64_t rows = a.rows(), r = blockIdx.x;
+  const int first_column = int(blockIdx.z) * kPartColumns;
   for (int64_t b = blockIdx.y; b < a.batch; b += gridDim.y) {
-    const int live = a.live_splits(a.context_len(b));
-    float4 acc[kLatent / 128] = {};
+    const int64_t len = a.context_len(b);
+    float4 acc[kLaneChunks] = {};
     float weight_sum = 0.0f, max_lse = -INFINITY;  // this warp's sums, relative to max_lse
-    for (int first = warp; first < live; first += kCombineWarps * kCombineRound) {
-      float4 o[kCombineRound][kLatent / 128];
+    // A round's loads go out before the live count is known (they do not wait for the length's
+    // load): every split's partial exists, and a dead split's values are never used.
+    for (int first = warp; first < a.num_splits; first += kCombineWarps * kCombineRound) {
+      float4 o[kCombineRound][kLaneChunks];
       float lse[kCombineRound];
 #pragma unroll
       for (int i = 0; i < kCombineRound; ++i) {
         const int s = first + i * kCombineWarps;
-        lse[i] = s < live ? *a.partial_lse(s, b, r) : -INFINITY;
-        const float4* part = reinterpret_cast<const float4*>(a.partial(s < live ? s : first, b, r));
+        lse[i] = s < a.num_splits ? *a.partial_lse(s, b, r) : -INFINITY;
+        const float4* part = reinterpret_cast<const float4*>(a.partial(s < a.num_splits ? s : first, b, r) + first_column);
 #pragma unroll
-        for (int k = 0; k < kLatent / 128; ++k) o[i][k] = part[32 * k + lane];
+        for (int k = 0; k < kLaneChunks; ++k) o[i][k] = part[32 * k + lane];
       }
+      const int live = a.live_splits(len);
 #pragma unroll
       for (int i = 0; i < kCombineRound; ++i) {
-        if (lse[i] == -INFINITY) continue;  // empty, or no such split
+        if (first + i * kCombineWarps >= live || lse[i] == -INFINITY) continue;  // dead, empty, or no such split
         const float new_max = fmaxf(max_lse, lse[i]);  // skips NaN: a NaN lse propagates through its weight
         const float rescale = max_lse == -INFINITY ? 1.0f : expf(max_lse - new_max);
         const float weight = expf(lse[i] - (new_max == -INFINITY ? 0.0f : new_max));
         max_lse = new_max;
         weight_sum = fmaf(weight_sum, rescale, weight);
 #pragma unroll
-        for (int k = 0; k < kLatent / 128; ++k) {
+        for (int k = 0; k < kLaneChunks; ++k) {
           acc[k].x = fmaf(weight, o[i][k].x, acc[k].x * rescale);
           acc[k].y = fmaf(weight, o[i][k].y, acc[k].y * rescale);
           acc[k].z = fmaf(weight, o[i][k].z, acc[k].z * rescale);
           acc[k].w = fmaf(weight, o[i][k].w, acc[k].w * rescale);
         }
       }
+      if (first + kCombineWarps * kCombineRound >= live) break;  // no live split in later rounds
     }
 #pragma unroll
-    for (int k = 0; k < kLatent / 128; ++k) reinterpret_cast<float4*>(warp_acc[warp])[32 * k + lane] = acc[k];
+    for (int k = 0; k < kLaneChunks; ++k) reinterpret_cast<float4*>(warp_acc[warp])[32 * k + lane] = acc[k];
     if (lane == 0) warp_weight[warp] = weight_sum, warp_max[warp] = max_lse;
     __syncthreads();
 
@@ -1768,7 +1787,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const Decod
     __syncthreads();
     const float row_max = row_stats[0], total_weight = row_stats[1];
     const bool empty = total_weight == 0.0f;  // no live split saw a token (NaN is not empty)
-    for (int col = 2 * int(threadIdx.x); col < kLatent; col += 64 * kCombineWarps) {
+    for (int col = 2 * int(threadIdx.x); col < kPartColumns; col += 64 * kCombineWarps) {
       float2 total = make_float2(0.0f, 0.0f);
 #pragma unroll
       for (int w = 0; w < kCombineWarps; ++w) {
@@ -1776,10 +1795,10 @@ __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const Decod
         total.x = fmaf(warp_factor[w], pair.x, total.x), total.y = fmaf(warp_factor[w], pair.y, total.y);
       }
       const float x0 = empty ? 0.0f : total.x / total_weight, x1 = empty ? 0.0f : total.y / total_weight;
-      reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(a.out) + (b * rows + r) * kLatent)[col / 2] =
+      reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(a.out) + (b * rows + r) * kLatent)[(first_column + col) / 2] =
           a.act == ActType::kBF16 ? bf16x2(x0, x1) : f16x2(x0, x1);
     }
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0 && blockIdx.z == 0)
       a.lse[b * rows + r] = empty ? -INFINITY : (row_max == -INFINITY ? 0.0f : row_max) + logf(total_weight);
     __syncthreads();  // the next sequence's sums go where these were read
   }
@@ -2547,6 +2566,7 @@ template <ActType kElem>
 __global__ void __launch_bounds__(kWideThreads, 1)
     wide_attention_kernel(const DecodeAttention a, const __grid_constant__ TileMaps maps) {
   extern __shared__ __align__(1024) uint8_t smem[];
+  prefetch_tile_maps(maps);
   const Scales scales = load_scales<CacheFormat::kBf16>(a);
   for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) attend_wide<kElem>(a, maps, b, scales, smem);
 }
@@ -2737,15 +2757,22 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a) {
   }
   if (err.failure()) return err;
   if (a.num_splits > 1) {
-    // Few rows (small B): 16 warps a row, so that a row's splits are loaded in one round; many
-    // rows: 4 warps, so that the CTAs are small and many are resident.
+    // Few rows (small B): 16 warps a row, so that a row's splits are loaded in one round, and
+    // where the SMs outnumber the rows, a row's columns in 2 or 4 CTAs, so that more SMs load
+    // them (H200, H 12, context 4096: B = 1 -0.5 us, and at B = 8 and 16 four parts were
+    // 1-2 us slower than one); many rows: 4 warps a row, so that the CTAs are small and many
+    // are resident.
     int sm_count = 0;
     cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
-    const dim3 combine_grid(unsigned(rows), batch_blocks);
-    if (rows * batch_blocks < 2 * int64_t(sm_count))
-      combine_kernel<16><<<combine_grid, 32 * 16, 0, stream>>>(a);
+    const int64_t ctas = rows * batch_blocks;
+    if (4 * ctas <= sm_count)
+      combine_kernel<16, 4><<<dim3(unsigned(rows), batch_blocks, 4), 32 * 16, 0, stream>>>(a);
+    else if (2 * ctas <= sm_count)
+      combine_kernel<16, 2><<<dim3(unsigned(rows), batch_blocks, 2), 32 * 16, 0, stream>>>(a);
+    else if (ctas < 2 * int64_t(sm_count))
+      combine_kernel<16, 1><<<dim3(unsigned(rows), batch_blocks), 32 * 16, 0, stream>>>(a);
     else
-      combine_kernel<4><<<combine_grid, 32 * 4, 0, stream>>>(a);
+      combine_kernel<4, 1><<<dim3(unsigned(rows), batch_blocks), 32 * 4, 0, stream>>>(a);
   }
   const cudaError_t launch_err = cudaGetLastError();
   return launch_err == cudaSuccess ? ffi::Error::Success() : cuda_error("kernel launch", launch_err);

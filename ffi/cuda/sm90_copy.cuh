@@ -45,6 +45,11 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
 __device__ __forceinline__ void fence_proxy_async() {
   SM90_ASM("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
+// Brings a tensor map (a __grid_constant__ kernel parameter, by its generic address) into the
+// descriptor cache ahead of its first copy, so that copy does not wait for the fetch.
+__device__ __forceinline__ void prefetch_tensor_map(const void* map) {
+  SM90_ASM("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
   SM90_ASM("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
            ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar))
