@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 from _util import load_script
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
@@ -33,3 +34,18 @@ def test_issue12_targets_are_judged_per_path():
     assert status(lines, "decode B <= 64, H = 12, every format, NoPE") == "**not met**"
     assert status(lines, "decode B <= 64, H = 12, every format, RoPE") == "met"
     assert "an empty kernel: 0.80 us" in "".join(lines)
+
+
+def test_points_runs_chosen_points(capsys):
+    """benchmarks/points.py on the default backend at tiny sizes: an epilogue point, an attention
+    case by its bench_attention name, its kernels; an unknown case name is refused."""
+    points = load_script(BENCH.parent / "points.py", "points")
+    assert points.main(["--epilogue", "decode_bf16_rope:2:3", "--attention", "small bf16 H=12 B=1 ctx=4096",
+                        "--kernels", "--copy-bytes", str(1 << 20), "--tag", "t"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("[t] copy ceiling")
+    assert lines[1].startswith("[t] decode_bf16_rope T=2 H=3:") and "of the ceiling" in lines[1]
+    assert lines[2].startswith("[t] small bf16 H=12 B=1 ctx=4096: op ")
+    assert lines[3].startswith("[t] small bf16 H=12 B=1 ctx=4096: ")
+    with pytest.raises(SystemExit, match="no bench_attention case"):
+        points.main(["--attention", "small bf16 H=12 B=3 ctx=5", "--copy-bytes", str(1 << 20)])
