@@ -126,7 +126,8 @@ for s in $stages; do
     gather-probe)
       # The gather kernel alone (no extension build, about 30 s): the production kernel and the
       # candidates of benchmarks/probes/gather_bulk.cuh, each checked bit for bit and timed
-      # against a device copy (benchmarks/probes/gather_cache.cu), the production one twice for
+      # against a device copy and a gather-free stream of the same bytes
+      # (benchmarks/probes/gather_cache.cu), the production one twice for
       # the run-to-run spread, then the candidate's checks under compute-sanitizer.
       inc=(-I ffi/include -I "$(python3 -c 'import jax.ffi; print(jax.ffi.include_dir())')")
       bin=$(mktemp -d) bulk=-DJKM_GATHER_SOURCE='"gather_bulk.cuh"'

@@ -81,8 +81,14 @@ def kernel_times(case: bench_attention.Case) -> str:
                             durations.setdefault(e.name, []).append(e.duration_ns / 1e3)
     if not durations:
         return f"{case.name}: no device kernels (a CPU backend)"
-    return f"{case.name}: " + "; ".join(
-        f"{name.split('(')[0].removeprefix('void ')} {statistics.median(d):.2f} us" for name, d in durations.items())
+    return f"{case.name}: " + "; ".join(f"{short_kernel_name(name)} {statistics.median(d):.2f} us"
+                                       for name, d in durations.items())
+
+
+def short_kernel_name(name: str) -> str:
+    """A trace's kernel name without its return type, namespaces and template arguments:
+    "void ns::(anonymous namespace)::combine_kernel<16, 4>(...)" -> "combine_kernel"."""
+    return name.removeprefix("void ").split("<")[0].split("(anonymous namespace)::")[-1].split("::")[-1]
 
 
 def main(argv=None) -> int:

@@ -49,3 +49,10 @@ def test_points_runs_chosen_points(capsys):
     assert lines[3].startswith("[t] small bf16 H=12 B=1 ctx=4096: ")
     with pytest.raises(SystemExit, match="no bench_attention case"):
         points.main(["--attention", "small bf16 H=12 B=3 ctx=5", "--copy-bytes", str(1 << 20)])
+
+
+def test_points_shortens_kernel_names():
+    points = load_script(BENCH.parent / "points.py", "points")
+    name = "void jax_kimi_mla::(anonymous namespace)::combine_kernel<16, 4>(jax_kimi_mla::DecodeAttention)"
+    assert points.short_kernel_name(name) == "combine_kernel"
+    assert points.short_kernel_name("nvjet_tst_128x256_64x4") == "nvjet_tst_128x256_64x4"

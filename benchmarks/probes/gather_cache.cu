@@ -17,7 +17,8 @@
 // a kernel that holds the stream, so the host's per-launch work leaves no gaps; the events' own
 // gaps are counted, so the times run a little above the profiler's), against the copy
 // ceiling of a 1 GiB cudaMemcpy (bytes read + written), counting the valid rows read in cache
-// bytes plus every output row written, as benchmarks/bench_attention.py's section 7 does.
+// bytes plus every output row written, as benchmarks/bench_attention.py's section 7 does. Beside
+// each, the same bytes streamed with no gather (stream_rows): the bound of the traffic itself.
 //
 //   INC="-I ffi/include -I $(python3 -c 'import jax.ffi; print(jax.ffi.include_dir())')"
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a $INC -o /tmp/gather_cache \
@@ -281,6 +282,46 @@ bool time_case(CacheFormat fmt, int64_t batch, int64_t context, double ceiling) 
   return ok(cudaDeviceSynchronize(), "timing");
 }
 
+// The traffic of a gather without its gather: row r's entry_bytes read from a contiguous array
+// (16-byte loads, lane l taking pieces l, l + 32, ...) and its 1152 output bytes written
+// contiguously, the stores depending on every load (an xor of them), a warp a row, grid-stride
+// over one wave. What the gather's bytes cost with no table, no lookups and no conversion: the
+// bound of its kernel at each size.
+__global__ void stream_rows(const uint4* in, uint4* out, int64_t rows, int in_pieces) {
+  constexpr int kOutPieces = 2 * kEntry / 16;  // 72
+  const int lane = int(threadIdx.x) % 32;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t r = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps) {
+    uint4 acc = make_uint4(0, 0, 0, 0);
+    for (int p = lane; p < in_pieces; p += 32) {
+      const uint4 v = in[r * in_pieces + p];
+      acc.x ^= v.x, acc.y ^= v.y, acc.z ^= v.z, acc.w ^= v.w;
+    }
+    for (int p = lane; p < kOutPieces; p += 32) out[r * kOutPieces + p] = acc;
+  }
+}
+
+// The streaming bound at a size: microseconds for rows * (entry_bytes read + 1152 written).
+void time_stream(CacheFormat fmt, int64_t rows, double ceiling) {
+  GatherCache g;
+  g.cache_format = fmt;
+  const int in_pieces = int(g.entry_bytes() / 16);
+  uint4 *in = nullptr, *out = nullptr;
+  if (!ok(cudaMalloc(&in, size_t(rows) * in_pieces * 16), "cudaMalloc") ||
+      !ok(cudaMalloc(&out, size_t(rows) * 2 * kEntry), "cudaMalloc"))
+    return;
+  cudaMemset(in, 0x3C, size_t(rows) * in_pieces * 16);
+  int sms = 0, per_sm = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, stream_rows, 256, 0);
+  const unsigned blocks = unsigned(std::min<int64_t>((rows + 7) / 8, int64_t(sms) * per_sm));
+  const float us = time_us([&] { stream_rows<<<blocks, 256>>>(in, out, rows, in_pieces); }, 30);
+  const double floor_us = double(rows) * double(g.entry_bytes() + 2 * kEntry) / ceiling * 1e6;
+  std::printf("stream %-10s rows %7lld: %8.2f us, floor %8.2f us, %5.1f%% of the copy ceiling\n",
+              format_name(fmt, ActType::kBF16), (long long)rows, us, floor_us, 100 * floor_us / us);
+  cudaFree(in), cudaFree(out);
+}
+
 }  // namespace gather_probe
 
 int main(int argc, char** argv) {
@@ -312,7 +353,9 @@ int main(int argc, char** argv) {
   std::printf("copy ceiling: %.1f GB/s (1 GiB in %.1f us)\n", ceiling / 1e9, copy_us);
   const int64_t sizes[][2] = {{16, 4096}, {1, 131072}, {64, 16384}};
   for (const auto& s : sizes)
-    for (CacheFormat fmt : {CacheFormat::kBf16, CacheFormat::kFp8, CacheFormat::kFp8DsMla})
+    for (CacheFormat fmt : {CacheFormat::kBf16, CacheFormat::kFp8, CacheFormat::kFp8DsMla}) {
       pass &= time_case(fmt, s[0], s[1], ceiling);
+      time_stream(fmt, s[0] * s[1], ceiling);
+    }
   return pass ? 0 : 1;
 }
