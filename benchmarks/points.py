@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import jax
@@ -27,7 +26,7 @@ from bench import COPY_BYTES, DTYPE, copy_ceiling, measure
 
 import jax_kimi_mla
 from jax_kimi_mla import _workloads
-from jax_kimi_mla._profile import DEVICE_PLANE_PREFIX
+from jax_kimi_mla._profile import kernel_durations
 
 KERNEL_CALLS = 50
 
@@ -61,27 +60,10 @@ def kernel_times(case: bench_attention.Case) -> str:
     args = bench_attention.attention_inputs(case, seed=0)
     step = _workloads.attention_step(jax_kimi_mla.mla_decode_attention, case.fmt)
     jax.block_until_ready(_workloads.run(step, args, {}))
-    with tempfile.TemporaryDirectory() as trace_dir:
-        jax.profiler.start_trace(trace_dir)
-        for _ in range(KERNEL_CALLS):
-            out = _workloads.run(step, args, {})
-        jax.block_until_ready(out)
-        jax.profiler.stop_trace()
-        traces = sorted(Path(trace_dir).rglob("*.xplane.pb"))
-        if not traces:
-            return f"{case.name}: no trace"
-        data = jax.profiler.ProfileData.from_file(str(traces[-1]))
-    durations: dict[str, list[float]] = {}
-    for plane in data.planes:
-        if plane.name.startswith(DEVICE_PLANE_PREFIX):
-            for line in plane.lines:
-                if line.name.startswith("Stream"):
-                    for e in line.events:
-                        if e.duration_ns > 0:
-                            durations.setdefault(e.name, []).append(e.duration_ns / 1e3)
+    durations = kernel_durations(step, args, {}, KERNEL_CALLS)
     if not durations:
         return f"{case.name}: no device kernels (a CPU backend)"
-    return f"{case.name}: " + "; ".join(f"{short_kernel_name(name)} {statistics.median(d):.2f} us"
+    return f"{case.name}: " + "; ".join(f"{short_kernel_name(name)} {statistics.median(d) * 1e6:.2f} us"
                                        for name, d in durations.items())
 
 

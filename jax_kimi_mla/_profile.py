@@ -57,6 +57,24 @@ def device_time_per_call(step: Callable, args: list, donated: dict[int, int], ca
     device plane (CPU backend) or no device events in it (the plane and line names it saw are
     printed then, to adapt ``AGGREGATE_LINES``).
     """
+    data = _trace(step, args, donated, calls)
+    return None if data is None else _device_time(data, calls)
+
+
+def kernel_durations(step: Callable, args: list, donated: dict[int, int], calls: int) -> dict[str, list[float]]:
+    """Each device event's seconds, by name, over ``calls`` back-to-back calls in one trace (the
+    step warmed up already); empty without a device plane."""
+    data = _trace(step, args, donated, calls)
+    durations: dict[str, list[float]] = {}
+    for plane in data.planes if data is not None else ():
+        if plane.name.startswith(DEVICE_PLANE_PREFIX):
+            for e in _stream_events(plane):
+                durations.setdefault(e.name, []).append(e.duration_ns * 1e-9)
+    return durations
+
+
+def _trace(step: Callable, args: list, donated: dict[int, int], calls: int):
+    """The profiler's data of ``calls`` back-to-back calls, or None (and why, printed)."""
     jax.block_until_ready(args)  # nothing from before may run inside the trace
     with tempfile.TemporaryDirectory(prefix="jax_kimi_mla_trace_") as trace_dir:
         try:
@@ -80,11 +98,10 @@ def device_time_per_call(step: Callable, args: list, donated: dict[int, int], ca
             print(f"[profile] no .xplane.pb written under {trace_dir}")
             return None
         try:
-            data = jax.profiler.ProfileData.from_file(str(traces[-1]))
+            return jax.profiler.ProfileData.from_file(str(traces[-1]))
         except Exception as e:
             print(f"[profile] cannot read {traces[-1].name} ({type(e).__name__}: {e})")
             return None
-        return _device_time(data, calls)
 
 
 def _device_time(data, calls: int) -> DeviceTime | None:
@@ -108,9 +125,13 @@ def _device_time(data, calls: int) -> DeviceTime | None:
 
 def _device_events(plane) -> list[tuple[float, float]]:
     """(start_ns, duration_ns) of the events on the stream lines of a device plane."""
+    return [(e.start_ns, e.duration_ns) for e in _stream_events(plane)]
+
+
+def _stream_events(plane) -> list:
+    """The events on the stream lines of a device plane (zero-length ones are markers, not work)."""
     lines = list(plane.lines)
     streams = [line for line in lines if line.name.startswith("Stream")]
     if not streams:  # unknown naming: take every line that is not a known aggregate
         streams = [line for line in lines if line.name not in AGGREGATE_LINES]
-    # Zero-length events are markers, not work.
-    return [(e.start_ns, e.duration_ns) for line in streams for e in line.events if e.duration_ns > 0]
+    return [e for line in streams for e in line.events if e.duration_ns > 0]
