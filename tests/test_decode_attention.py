@@ -72,13 +72,17 @@ def entries(fmt: str, q_dtype: str, latents: np.ndarray) -> np.ndarray:
     return latents.astype(np.dtype(q_dtype))
 
 
-def make_case(fmt, q_dtype, *, lens, q_tokens=1, heads=3, block_size=16, index=np.int32, seed=0, nan_token=None):
-    """Named numpy inputs of one call (and its keyword arguments)."""
+def make_case(fmt, q_dtype, *, lens, q_tokens=1, heads=3, block_size=16, index=np.int32, seed=0, nan_token=None,
+              row_exponents=None):
+    """Named numpy inputs of one call (and its keyword arguments). row_exponents=(lo, hi): each cache
+    row times 2^e, e uniform in [lo, hi], and q times 2^-hi (scores stay of order 1)."""
     rng = np.random.default_rng(seed)
     B = len(lens)
     max_blocks = max(1, -(-max(lens) // block_size))
     num_blocks = B * max_blocks + 3
     q = rng.standard_normal((B, q_tokens, heads, ENTRY)).astype(np.float32)
+    if row_exponents is not None:
+        q *= 2.0 ** -row_exponents[1]
     kw = {"softmax_scale": SCALE}
     if q_dtype == "float8_e4m3fn":
         q = np.asarray(quantize_e4m3(jnp.asarray(q), jnp.float32(FP8_Q_SCALE_INV)))
@@ -90,6 +94,8 @@ def make_case(fmt, q_dtype, *, lens, q_tokens=1, heads=3, block_size=16, index=n
     if fmt == "fp8_ds_mla":
         kw["ds_mla"] = True
     values = rng.standard_normal((num_blocks * block_size, ENTRY)).astype(np.float32)
+    if row_exponents is not None:
+        values *= 2.0 ** rng.integers(row_exponents[0], row_exponents[1] + 1, (len(values), 1))
     cache = entries(fmt, q_dtype, values)
     # Blocks: a permutation; the last sequence shares its first block with the one before it
     # (a common prefix; the one before must fill that block, or its NaN tail would be shared).
@@ -259,9 +265,10 @@ def test_cuda_long_contexts(fmt, q_dtype, q_tokens):
 
 
 # The kernels a call takes only when asked (JAX_KIMI_MLA_DECODE_KERNEL): wgmma (the 1-byte formats
-# at S_q = 1 on sm_90), ds16 (fp8_ds_mla at S_q = 1 with f16 MMAs), and mma, the general kernel
-# where the plain fp8 cache under an E4M3 query at S_q = 1 would take its own
-# (fp8_attention_kernel, which the other tests take): long and ragged lengths, split counts, block
+# at S_q = 1 on sm_90), ds16 (fp8_ds_mla at S_q = 1 with f16 MMAs), rs (fp8_ds_mla at S_q = 1 on
+# sm_90, also where its splits are too short to be the default), and mma, the general kernel where
+# the plain fp8 cache under an E4M3 query, or fp8_ds_mla with long splits, at S_q = 1 would take
+# its own (fp8_attention_kernel, rs_attention_kernel): long and ragged lengths, split counts, block
 # sizes, a NaN inside a length.
 WGMMA_CASES = {
     "long": dict(lens=(5000, 1, 0, 2049, 77), heads=16, block_size=64),
@@ -277,7 +284,8 @@ WGMMA_CASES = {
 KERNEL_CHOICES = (
     [("wgmma", *f) for f in FORMATS if f[0] != "bf16"]
     + [("ds16", *f) for f in FORMATS if f[0] == "fp8_ds_mla"]
-    + [("mma", "fp8", "float8_e4m3fn")]
+    + [("rs", *f) for f in FORMATS if f[0] == "fp8_ds_mla"]
+    + [("mma", "fp8", "float8_e4m3fn"), ("mma", "fp8_ds_mla", "bfloat16")]
 )
 
 
@@ -293,6 +301,21 @@ def test_cuda_kernels_taken_on_request(monkeypatch, kernel, fmt, q_dtype, case):
     assert_close(fmt, q_dtype, poisoned_run(args, dict(kw, **splits), "cuda"), want)
     if case == "nan":
         assert np.isnan(want[1][0]).all() and np.isfinite(want[1][1]).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["default", "rs"])
+def test_cuda_ds_mla_scales_far_apart(monkeypatch, kernel):
+    """fp8_ds_mla rows whose magnitudes span 2^16 (tile scales up to 2^9, where p x scale would
+    overflow f16 if the kernel did not keep it in range) and sequences of several tiles. out is
+    compared in units of the largest rows (2^16): its error is the probabilities' rounding times
+    the values' magnitude, which cancelling signs do not shrink as they shrink out."""
+    if kernel != "default":
+        monkeypatch.setenv("JAX_KIMI_MLA_DECODE_KERNEL", kernel)
+    args, kw = make_case("fp8_ds_mla", "bfloat16", lens=(1, 700, 3000), heads=16, block_size=64, seed=6,
+                         row_exponents=(0, 16))
+    (out, lse), (ref_out, ref_lse) = poisoned_run(args, kw, "cuda"), run(reference.mla_decode_attention, args, kw, "cpu")
+    assert_close("fp8_ds_mla", "bfloat16", (out * 2.0**-16, lse), (ref_out * 2.0**-16, ref_lse))
 
 
 def gpu_kernel_names(fn) -> set[str]:
@@ -354,6 +377,23 @@ def test_cuda_many_heads(monkeypatch, q_dtype, kernel, case):
         applies = jax_kimi_mla.ops.wide_kernel_applies(jnp.bfloat16, len(spec["lens"]), 1, spec["heads"])
         chosen = kernel == "wide" or (kernel == "default" and applies)
         assert wide == (chosen and jax_kimi_mla.ops._gpu_is_sm90()), sorted(names)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_splits,rs", ((64, False), (16, True), (1, True)))
+def test_cuda_ds_mla_kernel_by_split_length(num_splits, rs):
+    """fp8_ds_mla at S_q = 1 takes rs_attention_kernel on sm_90 by default where a split of the
+    table's length holds at least 4 tiles (4096 tokens: 1 tile in 64 splits, 4 in 16), and
+    attention_kernel below that; both agree with the reference."""
+    args, kw = make_case("fp8_ds_mla", "bfloat16", lens=(4096, 1000), heads=12, block_size=64, seed=8)
+    kw = dict(kw, num_splits=num_splits)
+    want = run(reference.mla_decode_attention, args, kw, "cpu")
+    assert_close("fp8_ds_mla", "bfloat16", poisoned_run(args, kw, "cuda"), want)
+    names = gpu_kernel_names(lambda: run(jax_kimi_mla.mla_decode_attention, args, kw, "cuda"))
+    if not names:  # the values were checked; only the trace is missing
+        pytest.skip("no GPU kernels in the profiler's trace (compute-sanitizer holds the profiling interface)")
+    taken = any("rs_attention_kernel" in n for n in names)
+    assert taken == (rs and jax_kimi_mla.ops._gpu_is_sm90()), sorted(names)
 
 
 @pytest.mark.cuda

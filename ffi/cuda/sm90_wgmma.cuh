@@ -90,6 +90,22 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_
 #undef JKM_WGMMA_D32
 #undef JKM_WGMMA_D32_OPERANDS
 
+// D[64 x 16] (+)= A[64 x 16] B[16 x 16], 16-bit operands: A from registers (the m16n8k16 A
+// fragments of warp w's rows 16w..16w + 15), B from shared memory, K-major.
+template <bool kF16>
+__device__ __forceinline__ void wgmma_m64n16k16_rs(float (&d)[8], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                   uint64_t b, int accumulate) {
+#define JKM_WGMMA(type)                                                                                \
+  SM90A_ASM("{\n .reg .pred p;\n setp.ne.b32 p, %13, 0;\n"                                             \
+            " wgmma.mma_async.sync.aligned.m64n16k16.f32." type "." type                                \
+            " {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"           \
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]) \
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b), "r"(accumulate))
+  if constexpr (kF16) JKM_WGMMA("f16");
+  else JKM_WGMMA("bf16");
+#undef JKM_WGMMA
+}
+
 __device__ __forceinline__ void wgmma_fence() { SM90A_ASM("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 // wgmma_fence after the last ordinary writes to accumulators `acc` (e.g. a rescale): the empty asm
 // statements pin those writes before the fence, which the compiler would otherwise sink past it
@@ -100,6 +116,12 @@ __device__ __forceinline__ void wgmma_fence_after(float (&acc)[kBlocks][kPerBloc
   for (int i = 0; i < kBlocks; ++i)
 #pragma unroll
     for (int j = 0; j < kPerBlock; ++j) asm volatile("" : "+f"(acc[i][j])::"memory");
+  wgmma_fence();
+}
+template <int kN>
+__device__ __forceinline__ void wgmma_fence_after(float (&acc)[kN]) {
+#pragma unroll
+  for (int j = 0; j < kN; ++j) asm volatile("" : "+f"(acc[j])::"memory");
   wgmma_fence();
 }
 __device__ __forceinline__ void wgmma_commit() { SM90A_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -118,6 +140,20 @@ __device__ __forceinline__ int uniform_warp_index() { return __shfl_sync(0xFFFFF
 template <int kId, int kThreadCount>
 __device__ __forceinline__ void named_barrier_sync() {
   asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreadCount) : "memory");
+}
+
+// The same with a barrier id known at run time (warp-uniform), and the OR of `flag` over the
+// `threads` threads it gathers.
+__device__ __forceinline__ bool named_barrier_or(int id, int threads, bool flag) {
+  uint32_t any;
+  asm volatile("{\n .reg .pred q, r;\n setp.ne.u32 q, %1, 0;\n bar.red.or.pred r, %2, %3, q;\n selp.u32 %0, 1, 0, r;\n}\n"
+               : "=r"(any)
+               : "r"(uint32_t(flag)), "r"(id), "r"(threads)
+               : "memory");
+  return any != 0;
+}
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 }  // namespace jax_kimi_mla
