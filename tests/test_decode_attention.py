@@ -397,6 +397,32 @@ def test_cuda_ds_mla_kernel_by_split_length(num_splits, rs):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("heads", (12, 20))
+@pytest.mark.parametrize("num_splits", (2, 3, 5, 8))
+@pytest.mark.parametrize("kernel", ("rs", "rs-combine"))
+def test_cuda_rs_splits_merged_in_a_cluster(monkeypatch, kernel, num_splits, heads):
+    """rs_attention_kernel's 2-8 splits of a sequence run as one thread block cluster and merge
+    there: combine_kernel is not launched. "rs-combine" merges the same splits in combine_kernel.
+    Ragged lengths leave splits past the length (0, 1 and 63 tokens: splits that only stage empty
+    rows), a NaN inside one length reaches that sequence alone, and 20 heads add a second row group
+    (4 real rows, 12 padding)."""
+    monkeypatch.setenv("JAX_KIMI_MLA_DECODE_KERNEL", kernel)
+    args, kw = make_case("fp8_ds_mla", "bfloat16", lens=(0, 1, 63, 700, 3000, 129), heads=heads, block_size=64,
+                         seed=13, nan_token=(3, 650))
+    kw = dict(kw, num_splits=num_splits)
+    want = run(reference.mla_decode_attention, args, kw, "cpu")
+    assert np.isnan(want[1][3]).all() and np.isfinite(want[1][4]).all()
+    assert_close("fp8_ds_mla", "bfloat16", poisoned_run(args, kw, "cuda"), want)
+    names = gpu_kernel_names(lambda: run(jax_kimi_mla.mla_decode_attention, args, kw, "cuda"))
+    if not names:  # the values were checked; only the trace is missing
+        pytest.skip("no GPU kernels in the profiler's trace (compute-sanitizer holds the profiling interface)")
+    if not jax_kimi_mla.ops._gpu_is_sm90():
+        return
+    assert any("rs_attention_kernel" in n for n in names), sorted(names)
+    assert any("combine_kernel" in n for n in names) == (kernel == "rs-combine"), sorted(names)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("fmt,q_dtype", (("bf16", "bfloat16"), ("fp8_ds_mla", "bfloat16")))
 def test_cuda_combine_of_many_rows(fmt, q_dtype):
     """B x S_q x H = 384 rows, more than twice the SMs of the GPUs the kernel runs on: the

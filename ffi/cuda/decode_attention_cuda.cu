@@ -85,12 +85,13 @@
 //    read and multiplied once per 64 heads instead of 16 (its section below).
 // 1f. rs_attention_kernel (the default for fp8_ds_mla at S_q = 1 on sm_90 from 4 tiles a split):
 //    the tokens as M of wgmma with the A operand converted in registers by each consumer thread,
-//    two warpgroups on alternate tiles (its section below). H200, B 64 x 16k: 205 us (79%).
-// 2. combine_kernel (num_splits > 1 only), one CTA per (row, sequence), 16 warps when the rows
-//    are fewer than twice the SMs (a row's splits loaded in one round; a row's columns in 2 or 4
-//    CTAs where the SMs outnumber the rows that much), else 4: the live splits
-//    merged with weights exp(lse_s - max lse); empty (-inf) splits are skipped and their outputs
-//    never read; a NaN lse makes the row NaN.
+//    two warpgroups on alternate tiles (its section below). H200, B 64 x 16k: 205 us (79%). With
+//    2-8 splits, a sequence's splits are one thread block cluster and merge there (no combine).
+// 2. combine_kernel (num_splits > 1, unless merged in a cluster), one CTA per (row, sequence),
+//    16 warps when the rows are fewer than twice the SMs (a row's splits loaded in one round; a
+//    row's columns in 2 or 4 CTAs where the SMs outnumber the rows that much), else 4: the live
+//    splits merged with weights exp(lse_s - max lse); empty (-inf) splits are skipped and their
+//    outputs never read; a NaN lse makes the row NaN.
 //
 // Numerics of the edges: a row that sees no visible unmasked token gets zeros and lse -inf (no
 // -inf - -inf, no division by 0); a NaN in a visible token reaches that row's output and lse; a
@@ -115,6 +116,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -1764,8 +1766,10 @@ struct RsLayout {
   static constexpr int kMasks = kRef + kRsGroups * kTileRows * 4;               // uint32 [stage][2]: live tokens
   static constexpr int kBarriers = kMasks + kRsStages * 8;                      // uint64 full[stages], empty[stages]
   static constexpr int kStats = kBarriers + 2 * kRsStages * 8;                  // DsStats: the q prescale
-  static constexpr int kBytes = kStats + (int(sizeof(DsStats)) + 15) / 16 * 16;
-  // At the end, over the stages: the staged output rows, and warpgroup 1's out.
+  static constexpr int kLse = kStats + (int(sizeof(DsStats)) + 15) / 16 * 16;   // float [16]: a cluster's rows
+  static constexpr int kBytes = kLse + kTileRows * 4;
+  // At the end, over the stages: the staged output rows, and warpgroup 1's out; over the P tiles,
+  // a cluster merge's weights.
   static constexpr int kExchange = kStageBytes;
   static_assert(kStageBytes % 1024 == 0 && kQ % 1024 == 0 && kQpe % 1024 == 0 && kP % 1024 == 0);
   static_assert(kTileRows * kStagingStride * 4 <= kExchange && kExchange + 64 * 128 * 4 <= kQ);
@@ -1829,6 +1833,59 @@ struct RsState {
   float ref[4], sum[4];  // per query row k: the reference max (log2 units), this thread's sum
 };
 
+// The splits of a sequence launched as one thread block cluster (rank = split) merge there instead
+// of in combine_kernel. Each CTA has staged its split's rows (normalized, float32, kStagingStride
+// apart) and their lse (-inf: empty or not a live split, rows of zeros). CTA k then merges output
+// pieces k, k + n, ... of every row over the cluster's n CTAs, with combine_kernel's weights
+// (exp(lse_s - max lse) over the non-empty splits; a NaN lse makes the row NaN), and writes them;
+// rank 0 writes the lse. weights: [kTileRows][kMaxClusterSplits] floats of this CTA's.
+constexpr int kMaxClusterSplits = 8;  // a portable cluster size
+
+__device__ void merge_cluster_splits(const DecodeAttention& a, int64_t b, int64_t row0, const float* staging,
+                                     const float* row_lse, float* weights) {
+  const int n = int(cluster_size()), me = int(cluster_rank()), tid = int(threadIdx.x);
+  const int rows = int(min64(a.rows() - row0, kTileRows));
+  cluster_sync();  // every split's rows and lse are staged
+  if (tid < rows) {
+    float lse[kMaxClusterSplits], m = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kMaxClusterSplits; ++j) {
+      lse[j] = j < n ? cluster_load(cluster_addr(row_lse + tid, j)) : -INFINITY;
+      m = fmaxf(m, lse[j]);  // skips NaN: a NaN lse propagates through its weight
+    }
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kMaxClusterSplits; ++j) {
+      lse[j] = lse[j] == -INFINITY ? 0.0f : expf(lse[j] - m);  // now the weight
+      sum += lse[j];
+    }
+    const bool empty = sum == 0.0f;  // no split saw a token (a NaN sum is not empty)
+#pragma unroll
+    for (int j = 0; j < kMaxClusterSplits; ++j) weights[tid * kMaxClusterSplits + j] = empty ? 0.0f : lse[j] / sum;
+    if (me == 0) a.lse[b * a.rows() + row0 + tid] = empty ? -INFINITY : m + logf(sum);
+  }
+  __syncthreads();
+  constexpr int kPieces = kLatent / 8;
+  const int mine = (kPieces - me + n - 1) / n;
+  for (int i = tid; i < rows * mine; i += int(blockDim.x)) {
+    const int row = i / mine, col = 8 * (me + n * (i % mine));
+    float v[8] = {};
+#pragma unroll
+    for (int j = 0; j < kMaxClusterSplits; ++j) {
+      if (j >= n) break;
+      const float w = weights[row * kMaxClusterSplits + j];
+      const uint32_t src = cluster_addr(staging + row * kStagingStride + col, j);
+      const float4 lo = cluster_load4(src), hi = cluster_load4(src + 16);
+      const float x[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = fmaf(w, x[e], v[e]);
+    }
+    store16(static_cast<uint16_t*>(a.out) + (b * a.rows() + row0 + row) * kLatent + col,
+            narrow8(a.act == ActType::kBF16, v));
+  }
+  cluster_sync();  // the other CTAs are done reading this one's rows
+}
+
 __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, const Scales& scales, uint8_t* smem) {
   using L = RsLayout;
   constexpr int kEntryBytes = kDsMlaEntryBytes;
@@ -1838,7 +1895,9 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
   w.row0 = int64_t(blockIdx.y) * kTileRows;
   const int64_t split_tokens = a.split_tokens(len);
   w.first = int(blockIdx.x) * split_tokens;
-  if (a.num_splits > 1 && w.first >= len) return;  // not a live split: the combine skips it
+  // A split past the length: the combine skips it; in a cluster it stages empty rows for the merge.
+  const bool in_cluster = cluster_size() > 1;
+  if (a.num_splits > 1 && w.first >= len && !in_cluster) return;
   w.load_end = min64(w.first + split_tokens, len);
   w.n_tiles = w.load_end > w.first ? (w.load_end - w.first + kTileTokens - 1) / kTileTokens : 0;
 
@@ -2061,12 +2120,14 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
                                  swizzled_descriptor(p_mine + (mb / 2) * kTileRows * 128 + 32 * ks), 1);
       wgmma_commit();
     }
-    wgmma_wait<0>();  // (ptxas serializes the wgmmas if a group stays in flight across the loop: C7515)
     mbarrier_arrive(empty + s);  // the stage is read (into registers): tile i + kRsStages may land there
     if (issues) {
       mbarrier_wait(empty + s, uint32_t(i / kRsStages) & 1);
       issue(s, next_row, gtid);
     }
+    // P.V's last group runs under the copies' issue; waiting for it at the next tile's top instead
+    // makes ptxas serialize the wgmmas (C7515).
+    wgmma_wait<0>();
   }
   wgmma_wait<0>();
 
@@ -2111,7 +2172,8 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
       const int64_t r = w.row0 + n;
       if (wq == 0 && g == 0 && r < rows) {
         const float lse = empty_row ? -INFINITY : (m + log2f(sum)) * kLn2;
-        if (a.num_splits == 1) a.lse[w.b * rows + r] = lse;
+        if (in_cluster) reinterpret_cast<float*>(smem + L::kLse)[n] = lse;
+        else if (a.num_splits == 1) a.lse[w.b * rows + r] = lse;
         else *a.partial_lse(int(blockIdx.x), w.b, r) = lse;
       }
     }
@@ -2125,6 +2187,11 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
       }
   }
   __syncthreads();
+  if (in_cluster) {
+    merge_cluster_splits(a, w.b, w.row0, staging, reinterpret_cast<const float*>(smem + L::kLse),
+                         reinterpret_cast<float*>(smem + L::kP));
+    return;
+  }
   constexpr int kPieces = kLatent / 8;
   for (int i = tid; i < kTileRows * kPieces; i += kThreads) {
     const int row = i / kPieces, col = 8 * (i % kPieces);
@@ -3082,6 +3149,49 @@ ffi::Error launch_wide_attention(cudaStream_t stream, const DecodeAttention& a, 
                                    maps);
 }
 
+// rs_attention_kernel, its splits as one cluster (merged there, no combine_kernel) or not.
+ffi::Error launch_rs_attention(cudaStream_t stream, const DecodeAttention& a, dim3 grid, bool cluster) {
+  const cudaError_t err = cudaFuncSetAttribute(rs_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               RsLayout::kBytes);
+  if (err != cudaSuccess) return cuda_error("allowing rs_attention_kernel's shared memory", err);
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = grid.x, attribute.val.clusterDim.y = 1, attribute.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid, config.blockDim = dim3(kThreads), config.dynamicSmemBytes = RsLayout::kBytes;
+  config.stream = stream, config.attrs = &attribute, config.numAttrs = cluster ? 1 : 0;
+  const cudaError_t launch_err = cudaLaunchKernelEx(&config, rs_attention_kernel, a);
+  return launch_err == cudaSuccess ? ffi::Error::Success() : cuda_error("launching rs_attention_kernel", launch_err);
+}
+
+// Whether a call's splits (2..kMaxClusterSplits) may be clusters of rs_attention_kernel: every
+// cluster of the grid resident at once (one CTA per SM, a cluster inside one GPC), as the split
+// count's wave rule assumes. The most resident clusters are asked once per device and size.
+bool rs_splits_fit_a_cluster(int device, dim3 grid) {
+  const int splits = int(grid.x);
+  if (splits < 2 || splits > kMaxClusterSplits || device < 0 || device >= 64) return false;
+  static std::atomic<int> resident[64][kMaxClusterSplits + 1] = {};  // + 1: 0 is not asked yet
+  int known = resident[device][splits].load(std::memory_order_relaxed);
+  if (known == 0) {
+    int clusters = 0;
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = unsigned(splits), attribute.val.clusterDim.y = 1, attribute.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(unsigned(splits)), config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = RsLayout::kBytes, config.attrs = &attribute, config.numAttrs = 1;
+    if (cudaFuncSetAttribute(rs_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, RsLayout::kBytes) !=
+            cudaSuccess ||
+        cudaOccupancyMaxActiveClusters(&clusters, rs_attention_kernel, &config) != cudaSuccess) {
+      cudaGetLastError();  // not an error of the call: it takes combine_kernel
+      clusters = 0;
+    }
+    known = clusters + 1;
+    resident[device][splits].store(known, std::memory_order_relaxed);
+  }
+  return int64_t(grid.y) * grid.z <= known - 1;
+}
+
 template <CacheFormat kFormat, ActType kElem>
 ffi::Error launch_wgmma_attention(cudaStream_t stream, const DecodeAttention& a, dim3 grid) {
   return launch_with_shared_memory(stream, wgmma_attention_kernel<kFormat, kElem>, grid, kWgThreads,
@@ -3100,7 +3210,8 @@ ffi::Error launch_wgmma_attention(cudaStream_t stream, const DecodeAttention& a,
 //   round"), so never the default.
 // - rs_attention_kernel (the default where it applies; "rs" forces it, "mma" refuses it): fp8_ds_mla
 //   at S_q = 1 on an sm_90 GPU, in a build with sm_90a code and the fp8 conversion, B <= 65535, from
-//   kRsMinSplitTiles tiles a split.
+//   kRsMinSplitTiles tiles a split. Its splits merge in a cluster where rs_splits_fit_a_cluster
+//   ("rs-combine" forces the kernel with combine_kernel's merge instead).
 // - wide_attention_kernel (the default where it applies): a 16-bit cache at S_q = 1 with many query
 //   rows (kWideMinRows, or fewer in larger batches), on an sm_90 GPU, in a build with sm_90a code
 //   (wgmma). "mma" asks for attention_kernel instead, "wide" for this kernel with fewer rows too.
@@ -3118,9 +3229,12 @@ constexpr bool kWgmmaBuilt = true;
 constexpr bool kWgmmaBuilt = false;
 #endif
 
-DecodeKernel choose_kernel(const DecodeAttention& a, int major) {
+std::string kernel_choice() {
   const char* env = std::getenv("JAX_KIMI_MLA_DECODE_KERNEL");
-  const std::string choice = env != nullptr ? env : "";
+  return env != nullptr ? env : "";
+}
+
+DecodeKernel choose_kernel(const DecodeAttention& a, int major, const std::string& choice) {
   if (choice == "wgmma" && major == 9 && a.q_tokens == 1 && a.cache_format != CacheFormat::kBf16)
     return DecodeKernel::kWgmma;
   if (choice != "mma" && kFp8KernelBuilt && a.cache_format == CacheFormat::kFp8 && a.q_type == QType::kE4m3 &&
@@ -3133,7 +3247,7 @@ DecodeKernel choose_kernel(const DecodeAttention& a, int major) {
   // 12.2 us at B = 1, context 4096; 19.8 against 20.1 at B = 8, 4 tiles a split).
   if (choice != "mma" && kFp8KernelBuilt && kWgmmaBuilt && major == 9 &&
       a.cache_format == CacheFormat::kFp8DsMla && a.q_tokens == 1 && a.batch <= kMaxGridYZ &&
-      (choice == "rs" || a.split_tokens(a.max_len()) >= kRsMinSplitTiles * kTileTokens))
+      (choice == "rs" || choice == "rs-combine" || a.split_tokens(a.max_len()) >= kRsMinSplitTiles * kTileTokens))
     return DecodeKernel::kRs;
   const bool many_rows = a.rows() >= kWideMinRows || (a.rows() >= kWideMinRowsBatched && a.batch >= kWideMinBatch);
   if (choice != "mma" && kWgmmaBuilt && major == 9 && a.cache_format == CacheFormat::kBf16 && a.q_tokens == 1 &&
@@ -3160,7 +3274,8 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a) {
         "jax_kimi_mla mla_decode_attention: the CUDA kernel needs an sm_90+ GPU (Hopper or newer); on this "
         "GPU use jax_kimi_mla.reference.mla_decode_attention");
   const int64_t rows = a.rows();
-  const DecodeKernel kernel = choose_kernel(a, major);
+  const std::string choice = kernel_choice();
+  const DecodeKernel kernel = choose_kernel(a, major, choice);
   const int64_t rows_per_cta = kernel == DecodeKernel::kWide ? kWideRows : kTileRows;
   const int64_t row_groups = (rows + rows_per_cta - 1) / rows_per_cta;
   if (row_groups > kMaxGridYZ)
@@ -3171,6 +3286,7 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a) {
   const dim3 grid(unsigned(a.num_splits), unsigned(row_groups), batch_blocks);
   const bool f16 = mma_type(a) == ActType::kF16;
   ffi::Error err = ffi::Error::Success();
+  bool merged_in_cluster = false;  // the splits merged in the attention kernel: no combine
   if (kernel == DecodeKernel::kWide) {
     err = f16 ? launch_wide_attention<ActType::kF16>(stream, a, grid)
               : launch_wide_attention<ActType::kBF16>(stream, a, grid);
@@ -3179,7 +3295,8 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a) {
   } else if (kernel == DecodeKernel::kDs) {
     err = launch_with_shared_memory(stream, ds_attention_kernel, grid, kThreads, RawLayout<CacheFormat::kFp8DsMla>::kBytes, a);
   } else if (kernel == DecodeKernel::kRs) {
-    err = launch_with_shared_memory(stream, rs_attention_kernel, grid, kThreads, RsLayout::kBytes, a);
+    merged_in_cluster = choice != "rs-combine" && rs_splits_fit_a_cluster(device, grid);
+    err = launch_rs_attention(stream, a, grid, merged_in_cluster);
   } else if (kernel == DecodeKernel::kWgmma) {
     err = a.cache_format == CacheFormat::kFp8DsMla
               ? launch_wgmma_attention<CacheFormat::kFp8DsMla, ActType::kBF16>(stream, a, grid)
@@ -3201,7 +3318,7 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a) {
     }
   }
   if (err.failure()) return err;
-  if (a.num_splits > 1) {
+  if (a.num_splits > 1 && !merged_in_cluster) {
     // Few rows (small B): 16 warps a row, so that a row's splits are loaded in one round, and
     // where the SMs outnumber the rows, a row's columns in 2 or 4 CTAs, so that more SMs load
     // them (H200, H 12, context 4096: B = 1 -0.5 us, and at B = 8 and 16 four parts were

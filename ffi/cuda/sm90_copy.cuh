@@ -1,6 +1,7 @@
 // sm_90 asynchronous copies, shared by the CUDA kernels: bulk copies (TMA) from global to shared
-// memory that complete on an mbarrier, and the mbarrier operations around them. For architectures
-// below sm_90 these compile to traps; the hosts launch the kernels that use them on sm_90+ only.
+// memory that complete on an mbarrier, the mbarrier operations around them, and the cluster's
+// barrier and shared-memory loads. For architectures below sm_90 these compile to traps; the
+// hosts launch the kernels that use them on sm_90+ only.
 #pragma once
 
 #include <cstdint>
@@ -54,6 +55,42 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
   SM90_ASM("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
            ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar))
            : "memory");
+}
+
+// Thread block clusters: this CTA's rank and the cluster's size (1 without a cluster launch), a
+// barrier of all the cluster's threads (release/acquire: shared-memory writes before it are seen by
+// the other CTAs' reads after it), and loads from another CTA's shared memory (its address of the
+// same variable, by rank).
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r = 0;
+  SM90_ASM("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ uint32_t cluster_size() {
+  uint32_t n = 1;
+  SM90_ASM("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(n));
+  return n;
+}
+__device__ __forceinline__ void cluster_sync() {
+  SM90_ASM("barrier.cluster.arrive.release.aligned;\n barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ uint32_t cluster_addr(const void* p, uint32_t rank) {
+  uint32_t remote = 0;
+  SM90_ASM("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
+  return remote;
+}
+__device__ __forceinline__ float cluster_load(uint32_t remote) {
+  float v = 0.0f;
+  SM90_ASM("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+__device__ __forceinline__ float4 cluster_load4(uint32_t remote) {
+  float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  SM90_ASM("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+           : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+           : "r"(remote)
+           : "memory");
+  return v;
 }
 
 }  // namespace jax_kimi_mla
