@@ -962,6 +962,11 @@ __device__ __forceinline__ void pv_accumulate(const Lane& t, const uint32_t (&p)
 // tile per CTA) that took as long as the tile (2.3 us).
 constexpr int kStagingStride = kLatent + 8;  // floats per staged row (float2 writes of 8 rows: 2-way)
 
+// Output columns [col, col + 8) of query row r of sequence b, in out's dtype.
+__device__ __forceinline__ void store_out8(const DecodeAttention& a, int64_t b, int64_t r, int col, const float (&v)[8]) {
+  store16(static_cast<uint16_t*>(a.out) + (b * a.rows() + r) * kLatent + col, narrow8(a.act == ActType::kBF16, v));
+}
+
 // Output columns [col, col + 8) of query row r of sequence b, from 8 staged floats (16-byte
 // aligned): to out in its dtype (one split) or to this CTA's split partial.
 __device__ __forceinline__ void store_out_piece(const DecodeAttention& a, int64_t b, int64_t r, int col,
@@ -970,7 +975,7 @@ __device__ __forceinline__ void store_out_piece(const DecodeAttention& a, int64_
   const float4 hi = *reinterpret_cast<const float4*>(staged + 4);
   if (a.num_splits == 1) {
     const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    store16(static_cast<uint16_t*>(a.out) + (b * a.rows() + r) * kLatent + col, narrow8(a.act == ActType::kBF16, v));
+    store_out8(a, b, r, col, v);
   } else {
     float4* part = reinterpret_cast<float4*>(a.partial(int(blockIdx.x), b, r) + col);
     part[0] = lo, part[1] = hi;
@@ -1853,15 +1858,15 @@ __device__ void merge_cluster_splits(const DecodeAttention& a, int64_t b, int64_
       lse[j] = j < n ? cluster_load(cluster_addr(row_lse + tid, j)) : -INFINITY;
       m = fmaxf(m, lse[j]);  // skips NaN: a NaN lse propagates through its weight
     }
-    float sum = 0.0f;
+    float weight[kMaxClusterSplits], sum = 0.0f;
 #pragma unroll
     for (int j = 0; j < kMaxClusterSplits; ++j) {
-      lse[j] = lse[j] == -INFINITY ? 0.0f : expf(lse[j] - m);  // now the weight
-      sum += lse[j];
+      weight[j] = lse[j] == -INFINITY ? 0.0f : expf(lse[j] - m);
+      sum += weight[j];
     }
     const bool empty = sum == 0.0f;  // no split saw a token (a NaN sum is not empty)
 #pragma unroll
-    for (int j = 0; j < kMaxClusterSplits; ++j) weights[tid * kMaxClusterSplits + j] = empty ? 0.0f : lse[j] / sum;
+    for (int j = 0; j < kMaxClusterSplits; ++j) weights[tid * kMaxClusterSplits + j] = empty ? 0.0f : weight[j] / sum;
     if (me == 0) a.lse[b * a.rows() + row0 + tid] = empty ? -INFINITY : m + logf(sum);
   }
   __syncthreads();
@@ -1880,8 +1885,7 @@ __device__ void merge_cluster_splits(const DecodeAttention& a, int64_t b, int64_
 #pragma unroll
       for (int e = 0; e < 8; ++e) v[e] = fmaf(w, x[e], v[e]);
     }
-    store16(static_cast<uint16_t*>(a.out) + (b * a.rows() + row0 + row) * kLatent + col,
-            narrow8(a.act == ActType::kBF16, v));
+    store_out8(a, b, row0 + row, col, v);
   }
   cluster_sync();  // the other CTAs are done reading this one's rows
 }
@@ -3149,19 +3153,28 @@ ffi::Error launch_wide_attention(cudaStream_t stream, const DecodeAttention& a, 
                                    maps);
 }
 
-// rs_attention_kernel, its splits as one cluster (merged there, no combine_kernel) or not.
-ffi::Error launch_rs_attention(cudaStream_t stream, const DecodeAttention& a, dim3 grid, bool cluster) {
-  const cudaError_t err = cudaFuncSetAttribute(rs_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               RsLayout::kBytes);
-  if (err != cudaSuccess) return cuda_error("allowing rs_attention_kernel's shared memory", err);
-  cudaLaunchAttribute attribute{};
+// rs_attention_kernel's launch over grid, its shared memory allowed; with a cluster of the grid's
+// splits (grid.x CTAs) where `cluster` (attribute: the storage of that setting).
+cudaLaunchConfig_t rs_launch_config(dim3 grid, cudaStream_t stream, bool cluster, cudaLaunchAttribute& attribute,
+                                    cudaError_t& err) {
+  err = cudaFuncSetAttribute(rs_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, RsLayout::kBytes);
+  attribute = cudaLaunchAttribute{};
   attribute.id = cudaLaunchAttributeClusterDimension;
   attribute.val.clusterDim.x = grid.x, attribute.val.clusterDim.y = 1, attribute.val.clusterDim.z = 1;
   cudaLaunchConfig_t config{};
   config.gridDim = grid, config.blockDim = dim3(kThreads), config.dynamicSmemBytes = RsLayout::kBytes;
   config.stream = stream, config.attrs = &attribute, config.numAttrs = cluster ? 1 : 0;
-  const cudaError_t launch_err = cudaLaunchKernelEx(&config, rs_attention_kernel, a);
-  return launch_err == cudaSuccess ? ffi::Error::Success() : cuda_error("launching rs_attention_kernel", launch_err);
+  return config;
+}
+
+// rs_attention_kernel, its splits as one cluster (merged there, no combine_kernel) or not.
+ffi::Error launch_rs_attention(cudaStream_t stream, const DecodeAttention& a, dim3 grid, bool cluster) {
+  cudaLaunchAttribute attribute;
+  cudaError_t err = cudaSuccess;
+  const cudaLaunchConfig_t config = rs_launch_config(grid, stream, cluster, attribute, err);
+  if (err != cudaSuccess) return cuda_error("allowing rs_attention_kernel's shared memory", err);
+  err = cudaLaunchKernelEx(&config, rs_attention_kernel, a);
+  return err == cudaSuccess ? ffi::Error::Success() : cuda_error("launching rs_attention_kernel", err);
 }
 
 // Whether a call's splits (2..kMaxClusterSplits) may be clusters of rs_attention_kernel: every
@@ -3174,15 +3187,10 @@ bool rs_splits_fit_a_cluster(int device, dim3 grid) {
   int known = resident[device][splits].load(std::memory_order_relaxed);
   if (known == 0) {
     int clusters = 0;
-    cudaLaunchAttribute attribute{};
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = unsigned(splits), attribute.val.clusterDim.y = 1, attribute.val.clusterDim.z = 1;
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(unsigned(splits)), config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = RsLayout::kBytes, config.attrs = &attribute, config.numAttrs = 1;
-    if (cudaFuncSetAttribute(rs_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, RsLayout::kBytes) !=
-            cudaSuccess ||
-        cudaOccupancyMaxActiveClusters(&clusters, rs_attention_kernel, &config) != cudaSuccess) {
+    cudaLaunchAttribute attribute;
+    cudaError_t err = cudaSuccess;
+    const cudaLaunchConfig_t config = rs_launch_config(dim3(unsigned(splits)), nullptr, true, attribute, err);
+    if (err != cudaSuccess || cudaOccupancyMaxActiveClusters(&clusters, rs_attention_kernel, &config) != cudaSuccess) {
       cudaGetLastError();  // not an error of the call: it takes combine_kernel
       clusters = 0;
     }
