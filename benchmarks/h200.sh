@@ -124,7 +124,7 @@ for s in $stages; do
         "$work/venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_decode_attention.py \
           tests/test_gather_cache.py tests/test_nonfinite.py tests/test_padded_rows.py -k cuda' ;;
     gather-probe)
-      # The gather kernel alone (no extension build, about 30 s): the production kernel and the
+      # The gather kernel alone (no extension build, about 45 s): the production kernel and the
       # candidates of benchmarks/probes/gather_bulk.cuh, each checked bit for bit and timed
       # against a device copy and a gather-free stream of the same bytes
       # (benchmarks/probes/gather_cache.cu), the production one twice for
@@ -137,6 +137,9 @@ for s in $stages; do
       build bulk2cta "$bulk" -DJKM_GATHER_BULK_CTAS=2 & wait
       for name in production bulk bulk16 bulk2cta; do stage "gather-probe-$name" "$bin/$name"; done
       stage gather-probe-production-again "$bin/production"
+      # The same traffic in several load/store patterns, beside cudaMemcpy (about 15 s).
+      nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -o "$bin/copy_patterns" \
+        benchmarks/probes/copy_patterns.cu && stage copy-patterns "$bin/copy_patterns"
       stage gather-probe-memcheck compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 10 \
         "$bin/bulk" --check-only ;;
     attn-probe)

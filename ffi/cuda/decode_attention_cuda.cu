@@ -494,6 +494,21 @@ struct Work {
   int64_t b, row0, first, load_end, n_tiles;
 };
 
+// The work of split `split` of sequence b (len tokens) for the CTA whose first row is row0: its
+// first token, where its loads end (at most `visible`, the last token any of its rows sees) and its
+// tiles. One division: the bounds follow from the split's size. A split at or past the length
+// (first >= len) has no tiles.
+__device__ __forceinline__ Work split_work(const DecodeAttention& a, int64_t b, int64_t row0, int64_t split,
+                                           int64_t len, int64_t visible) {
+  Work w;
+  w.b = b, w.row0 = row0;
+  const int64_t split_tokens = a.split_tokens(len);
+  w.first = split * split_tokens;
+  w.load_end = min64(min64(w.first + split_tokens, len), visible);
+  w.n_tiles = w.load_end > w.first ? (w.load_end - w.first + kTileTokens - 1) / kTileTokens : 0;
+  return w;
+}
+
 // The cache row of token `token` of tile `tile`, or -1: masked, past the loaded range, or no such
 // tile.
 __device__ __forceinline__ int64_t tile_token_row(const DecodeAttention& a, const Work& w, int64_t tile,
@@ -1036,21 +1051,15 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, int64_t b
                        uint8_t* smem) {
   using L = Layout<kFormat>;
   using V = VTile<L::kSwizzled, L::kVRowBytes>;
-  const int split = int(blockIdx.x);
   const int64_t rows = a.rows(), len = a.context_len(b);
-  Work w;
-  w.b = b;
-  w.row0 = int64_t(blockIdx.y) * kTileRows;
-  const int64_t split_tokens = a.split_tokens(len);  // one division: its bounds follow
-  w.first = split * split_tokens;
-  if (a.num_splits > 1 && w.first >= len) return;  // not a live split: the combine skips it
   // Rows are (query token, head): the first row of the CTA sees the fewest tokens, its last real
   // row the most; no row sees tokens past seen_by_any, so those are not loaded.
-  const int64_t last_row = min64(w.row0 + kTileRows, rows) - 1;
-  const int64_t seen_by_all = a.row_visible_len(len, w.row0);
+  const int64_t row0 = int64_t(blockIdx.y) * kTileRows;
+  const int64_t last_row = min64(row0 + kTileRows, rows) - 1;
+  const int64_t seen_by_all = a.row_visible_len(len, row0);
   const int64_t seen_by_any = a.row_visible_len(len, last_row);
-  w.load_end = min64(min64(w.first + split_tokens, len), seen_by_any);
-  w.n_tiles = w.load_end > w.first ? (w.load_end - w.first + kTileTokens - 1) / kTileTokens : 0;
+  const Work w = split_work(a, b, row0, blockIdx.x, len, seen_by_any);
+  if (a.num_splits > 1 && w.first >= len) return;  // not a live split: the combine skips it
 
   Lane t;
   t.warp = int(threadIdx.x) / 32, t.lane = int(threadIdx.x) % 32;
@@ -1557,14 +1566,8 @@ __device__ void attend_raw(const DecodeAttention& a, int64_t b, const Scales& sc
   // ways on the H200 (2026-12-02): plain fp8 213 us at the top against 220; ds 341 against 349.
   constexpr bool kPvWithSoftmax = kDsMla;
   const int64_t len = a.context_len(b);
-  Work w;
-  w.b = b;
-  w.row0 = int64_t(blockIdx.y) * kTileRows;
-  const int64_t split_tokens = a.split_tokens(len);
-  w.first = int(blockIdx.x) * split_tokens;
+  const Work w = split_work(a, b, int64_t(blockIdx.y) * kTileRows, blockIdx.x, len, len);
   if (a.num_splits > 1 && w.first >= len) return;  // not a live split: the combine skips it
-  w.load_end = min64(w.first + split_tokens, len);
-  w.n_tiles = w.load_end > w.first ? (w.load_end - w.first + kTileTokens - 1) / kTileTokens : 0;
 
   Lane t;
   t.warp = int(threadIdx.x) / 32, t.lane = int(threadIdx.x) % 32;
@@ -1894,16 +1897,10 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
   using L = RsLayout;
   constexpr int kEntryBytes = kDsMlaEntryBytes;
   const int64_t len = a.context_len(b);
-  Work w;
-  w.b = b;
-  w.row0 = int64_t(blockIdx.y) * kTileRows;
-  const int64_t split_tokens = a.split_tokens(len);
-  w.first = int(blockIdx.x) * split_tokens;
+  const Work w = split_work(a, b, int64_t(blockIdx.y) * kTileRows, blockIdx.x, len, len);
   // A split past the length: the combine skips it; in a cluster it stages empty rows for the merge.
   const bool in_cluster = cluster_size() > 1;
   if (a.num_splits > 1 && w.first >= len && !in_cluster) return;
-  w.load_end = min64(w.first + split_tokens, len);
-  w.n_tiles = w.load_end > w.first ? (w.load_end - w.first + kTileTokens - 1) / kTileTokens : 0;
 
   uint8_t* raw = smem + L::kRaw;
   uint8_t* q_tile = smem + L::kQ;
@@ -2378,14 +2375,9 @@ __device__ __forceinline__ uint32_t wg_use_parity(int64_t g) { return uint32_t(g
 // The tokens CTA (blockIdx.x, blockIdx.y) covers of sequence b at S_q = 1 (attend's rules), or
 // false for a split past the length, which writes nothing (the combine skips it).
 __device__ __forceinline__ bool wg_work(const DecodeAttention& a, int64_t b, Work& w) {
-  const int64_t len = a.context_len(b), per = a.split_tokens(len);
-  w.b = b;
-  w.row0 = int64_t(blockIdx.y) * kTileRows;
-  w.first = int64_t(blockIdx.x) * per;
-  if (a.num_splits > 1 && w.first >= len) return false;
-  w.load_end = min64(w.first + per, len);
-  w.n_tiles = w.load_end > w.first ? (w.load_end - w.first + kTileTokens - 1) / kTileTokens : 0;
-  return true;
+  const int64_t len = a.context_len(b);
+  w = split_work(a, b, int64_t(blockIdx.y) * kTileRows, blockIdx.x, len, len);
+  return a.num_splits == 1 || w.first < len;
 }
 
 // A walk over the CTA's tiles: its sequences (blockIdx.z, + gridDim.z, ...) that have tokens in
@@ -2871,14 +2863,8 @@ __device__ void attend_wide(const DecodeAttention& a, const TileMaps& maps, int6
   using L = WideLayout;
   constexpr bool kF16 = kElem == ActType::kF16;
   const int64_t rows = a.rows(), len = a.context_len(b);
-  Work w;
-  w.b = b;
-  w.row0 = int64_t(blockIdx.y) * kWideRows;
-  const int64_t split_tokens = a.split_tokens(len);
-  w.first = int64_t(blockIdx.x) * split_tokens;
+  const Work w = split_work(a, b, int64_t(blockIdx.y) * kWideRows, blockIdx.x, len, len);
   if (a.num_splits > 1 && w.first >= len) return;  // not a live split: the combine skips it
-  w.load_end = min64(w.first + split_tokens, len);
-  w.n_tiles = w.load_end > w.first ? (w.load_end - w.first + kTileTokens - 1) / kTileTokens : 0;
 
   const int warp = uniform_warp_index(), lane = int(threadIdx.x) % 32;
   const int group = warp / 4, gw = warp % 4;  // warpgroup; its warp gw holds rows 16 gw ..
