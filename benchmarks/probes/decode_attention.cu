@@ -6,10 +6,17 @@
 // judged in one short device call. The tests of
 // tests/test_decode_attention.py remain the correctness reference; this only guards against
 // timing a broken build. With -DJKM_WG_TRACE the wgmma kernel's roles stamp clock64 at each phase
-// for CTA 0 and the probe prints where a tile's time goes.
+// for CTA 0 and the probe prints where a tile's time goes. With -DJKM_PHASE_STAMPS the default
+// kernel's CTAs stamp their phases (JKM_PHASE_AT: entry, lookups, prologue, first tile, loop end,
+// rows staged, exit) and the probe prints where a call's time goes beyond its tiles' streaming:
+// what a CTA spends before its first tile and after its last, and how the CTAs start and end.
+//
+// Cases: the arguments, each format:B:context:H:splits (format bf16, fp8 or ds), or four default
+// ones. PROBE_KERNELS=default,rs,... (comma-separated; "default" unsets the choice) times other
+// kernel choices than mma, default, ds16 and wgmma; PROBE_BALANCE=1 passes the balancing scratch.
 //
 //   INC="-I ffi/include -I $(python3 -c 'import jax.ffi; print(jax.ffi.include_dir())')"
-//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a $INC -o /tmp/decode_attention \
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DJKM_SM90A_BUILT $INC -o /tmp/decode_attention \
 //       benchmarks/probes/decode_attention.cu && /tmp/decode_attention
 #ifdef JKM_WG_TRACE
 __device__ long long g_trace[64][12];
@@ -20,6 +27,30 @@ __device__ long long g_trace[64][12];
       g_trace[tile][point] = clock64();                                                       \
   } while (0)
 #endif
+#ifdef JKM_PHASE_STAMPS
+constexpr int kStampedCtas = 8192, kStampedTiles = 1024, kPhasePoints = 7;
+__device__ unsigned long long g_phase_ns[kStampedCtas][kPhasePoints];  // %globaltimer: across SMs
+__device__ long long g_phase_cycles[kStampedCtas][kPhasePoints];        // clock64: within a CTA
+__device__ long long g_tile_cycles[kStampedTiles];                       // CTA 0: its tiles landed
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#define JKM_PHASE_AT(point)                                                                       \
+  do {                                                                                            \
+    const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);         \
+    if (threadIdx.x == 0 && cta < kStampedCtas)                                                   \
+      g_phase_cycles[cta][point] = clock64(), g_phase_ns[cta][point] = global_ns();               \
+  } while (0)
+#define JKM_TILE_AT(tile)                                                                         \
+  do {                                                                                            \
+    if ((tile) == 0) JKM_PHASE_AT(3);                                                             \
+    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x % 128 == 0 &&        \
+        (tile) < kStampedTiles)                                                                   \
+      g_tile_cycles[tile] = clock64();                                                            \
+  } while (0)
+#endif
 #include "../../ffi/cuda/decode_attention_cuda.cu"
 
 #include <algorithm>
@@ -27,6 +58,8 @@ __device__ long long g_trace[64][12];
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <sstream>
+#include <string>
 #include <vector>
 
 namespace attention_probe {
@@ -49,10 +82,22 @@ struct Case {
   int batch, context, heads, splits;
 };
 
-// Random non-NaN E4M3 codes; ds_mla rows with power-of-two scales and bf16 k_pe.
+int entry_bytes(CacheFormat f) {
+  return f == CacheFormat::kBf16 ? 2 * kEntry : f == CacheFormat::kFp8 ? kEntry : kDsMlaEntryBytes;
+}
+
+// Random non-NaN E4M3 codes; ds_mla rows with power-of-two scales and bf16 k_pe; bf16 about N(0, 1).
 std::vector<uint8_t> make_cache(CacheFormat f, int64_t rows, std::mt19937& rng) {
-  const int bytes = f == CacheFormat::kFp8 ? kEntry : kDsMlaEntryBytes;
+  const int bytes = entry_bytes(f);
   std::vector<uint8_t> cache(size_t(rows) * bytes);
+  if (f == CacheFormat::kBf16) {  // magnitudes in [0.5, 1), random signs (a normal draw a value is slow at 1 GB)
+    for (size_t i = 0; i < cache.size(); i += 2) {
+      const uint32_t r = rng();
+      const uint16_t h = uint16_t(0x3F00u | (r & 0x80FFu));
+      std::memcpy(&cache[i], &h, 2);
+    }
+    return cache;
+  }
   std::uniform_int_distribution<int> code(0, 255);
   for (auto& c : cache) {
     c = uint8_t(code(rng));
@@ -77,6 +122,55 @@ float median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
 }
+
+#ifdef JKM_PHASE_STAMPS
+// One more call of the default kernel, stamped: where its CTAs' time goes, in us. Per CTA, the
+// phases by clock64 converted at that CTA's own rate (its cycles over its %globaltimer span); the
+// starts and ends across CTAs by %globaltimer.
+void print_phases(const DecodeAttention& a, const Case& k, double tiles_per_cta) {
+  static unsigned long long ns[kStampedCtas][kPhasePoints];
+  static long long cycles[kStampedCtas][kPhasePoints], tiles[kStampedTiles];
+  unsetenv("JAX_KIMI_MLA_DECODE_KERNEL");
+  std::memset(ns, 0, sizeof ns), std::memset(cycles, 0, sizeof cycles);
+  cudaMemcpyToSymbol(g_phase_ns, ns, sizeof ns), cudaMemcpyToSymbol(g_phase_cycles, cycles, sizeof cycles);
+  (void)run(nullptr, a);
+  if (!ok(cudaDeviceSynchronize(), "stamped call")) return;
+  cudaMemcpyFromSymbol(ns, g_phase_ns, sizeof ns), cudaMemcpyFromSymbol(cycles, g_phase_cycles, sizeof cycles);
+  cudaMemcpyFromSymbol(tiles, g_tile_cycles, sizeof tiles);
+  const int ctas = int(std::min<int64_t>(int64_t(k.splits) * ((k.heads + kTileRows - 1) / kTileRows) * k.batch, kStampedCtas));
+  const char* names[kPhasePoints - 1] = {"lookups", "prologue", "first tile", "loop", "rows staged", "out"};
+  double sum[kPhasePoints - 1] = {}, lo[kPhasePoints - 1], hi[kPhasePoints - 1] = {};
+  std::fill(lo, lo + (kPhasePoints - 1), 1e30);
+  unsigned long long first_in = ~0ull, last_in = 0, first_out = ~0ull, last_out = 0;
+  int n = 0;
+  double rate0 = 0;
+  for (int c = 0; c < ctas; ++c) {
+    if (ns[c][6] == 0 || ns[c][3] == 0) continue;  // not stamped, or no tile (a split past the length)
+    const double rate = double(cycles[c][6] - cycles[c][0]) / double(ns[c][6] - ns[c][0]);  // cycles a ns
+    if (c == 0) rate0 = rate;
+    for (int p = 0; p + 1 < kPhasePoints; ++p) {
+      const double us = (cycles[c][p + 1] - cycles[c][p]) / rate * 1e-3;
+      sum[p] += us, lo[p] = std::min(lo[p], us), hi[p] = std::max(hi[p], us);
+    }
+    first_in = std::min(first_in, ns[c][0]), last_in = std::max(last_in, ns[c][0]);
+    first_out = std::min(first_out, ns[c][6]), last_out = std::max(last_out, ns[c][6]);
+    ++n;
+  }
+  if (n == 0) return;
+  std::printf("  phases of %d CTAs (us, mean [min, max]):", n);
+  for (int p = 0; p + 1 < kPhasePoints; ++p) std::printf(" %s %.2f [%.2f, %.2f];", names[p], sum[p] / n, lo[p], hi[p]);
+  std::printf("\n  span %.2f us: CTAs start over %.2f us, end over %.2f us; loop %.3f us a tile (mean)\n",
+              (last_out - first_in) * 1e-3, (last_in - first_in) * 1e-3, (last_out - first_out) * 1e-3,
+              sum[3] / n / std::max(1.0, tiles_per_cta - 1));
+  if (rate0 > 0) {
+    const int m = int(std::min<double>(tiles_per_cta, kStampedTiles));
+    std::printf("  CTA 0's tiles landed (us from its entry):");
+    for (int i = 0; i < m; ++i)
+      if (i < 8 || i >= m - 4) std::printf(" %d:%.2f", i, (tiles[i] - cycles[0][0]) / rate0 * 1e-3);
+    std::printf("\n");
+  }
+}
+#endif
 
 int run_case(const Case& k, std::mt19937& rng) {
   const int bs = 64, max_blocks = (k.context + bs - 1) / bs;
@@ -107,7 +201,10 @@ int run_case(const Case& k, std::mt19937& rng) {
   float *d_scales, *d_lse, *d_partials;
   uint16_t* d_out;
   const int64_t out_elems = int64_t(k.batch) * k.heads * kLatent;
-  const size_t partial_floats = k.splits > 1 ? size_t(k.splits) * k.batch * k.heads * kAttnRowStats : 0;
+  // The balancing scratch (PROBE_BALANCE=1, as the Python op passes where it applies) or the static one.
+  const bool balance = std::getenv("PROBE_BALANCE") != nullptr && std::string(std::getenv("PROBE_BALANCE")) == "1";
+  const size_t partial_floats = balance ? size_t(DecodeAttention::balanced_scratch_floats(k.splits, k.batch, k.heads))
+                                : k.splits > 1 ? size_t(k.splits) * k.batch * k.heads * kAttnRowStats : 0;
   if (!ok(cudaMalloc(&d_cache, cache.size()), "malloc") || !ok(cudaMalloc(&d_q, q.size()), "malloc") ||
       !ok(cudaMalloc(&d_tables, tables.size() * 4), "malloc") || !ok(cudaMalloc(&d_lens, lens.size() * 4), "malloc") ||
       !ok(cudaMalloc(&d_scales, 8), "malloc") || !ok(cudaMalloc(&d_lse, size_t(k.batch) * k.heads * 4), "malloc") ||
@@ -123,7 +220,7 @@ int run_case(const Case& k, std::mt19937& rng) {
   DecodeAttention a;
   a.cache_format = k.format;
   a.cache = d_cache;
-  a.row_bytes = fp8 ? kEntry : kDsMlaEntryBytes;
+  a.row_bytes = entry_bytes(k.format);
   a.num_blocks = num_blocks;
   a.set_block_size(bs);
   a.block_tables = d_tables, a.max_blocks = max_blocks;
@@ -133,19 +230,28 @@ int run_case(const Case& k, std::mt19937& rng) {
   a.batch = k.batch, a.q_tokens = 1, a.heads = k.heads;
   a.q = d_q, a.softmax_scale = 0.0417f;
   a.q_scale_inv = fp8 ? d_scales : nullptr;
-  a.out = d_out, a.lse = d_lse, a.partials = k.splits > 1 ? d_partials : nullptr, a.num_splits = k.splits;
+  a.out = d_out, a.lse = d_lse, a.num_splits = k.splits;
+  (void)a.attach_partials(d_partials, int64_t(partial_floats));
 
   // The kernels by JAX_KIMI_MLA_DECODE_KERNEL: attention_kernel (forced), the default (for plain
   // fp8 under an E4M3 q, fp8_attention_kernel), ds16 (for fp8_ds_mla, ds_attention_kernel; else
   // the default), the wgmma kernel; each against the first.
-  constexpr int kKernels = 4;
-  const char* kernels[kKernels] = {"mma", nullptr, "ds16", "wgmma"};
-  std::vector<uint16_t> out[kKernels];
-  std::vector<float> lse[kKernels];
-  float us[kKernels];
-  for (int kernel = 0; kernel < kKernels; ++kernel) {
-    if (kernels[kernel] != nullptr) setenv("JAX_KIMI_MLA_DECODE_KERNEL", kernels[kernel], 1);
+  std::vector<std::string> kernels = {"mma", "default", "ds16", "wgmma"};
+  if (const char* env = std::getenv("PROBE_KERNELS")) {
+    kernels.clear();
+    std::stringstream list(env);
+    for (std::string name; std::getline(list, name, ',');) kernels.push_back(name);
+  }
+  const int kKernels = int(kernels.size());
+  std::vector<std::vector<uint16_t>> out(kKernels);
+  std::vector<std::vector<float>> lse(kKernels);
+  std::vector<float> us(kKernels);
+  const auto choose = [](const std::string& name) {
+    if (name != "default") setenv("JAX_KIMI_MLA_DECODE_KERNEL", name.c_str(), 1);
     else unsetenv("JAX_KIMI_MLA_DECODE_KERNEL");
+  };
+  for (int kernel = 0; kernel < kKernels; ++kernel) {
+    choose(kernels[kernel]);
     cudaMemset(d_out, 0xFF, out_elems * 2);
     if (ffi::Error e = run(nullptr, a); e.failure() || !ok(cudaDeviceSynchronize(), "attention")) {
       std::printf("run failed\n");
@@ -172,8 +278,8 @@ int run_case(const Case& k, std::mt19937& rng) {
   const double bytes = double(k.batch) * k.context * a.row_bytes;
   const double tiles_per_cta = double(max_blocks) / k.splits;
   bool agree = true;
-  std::printf("%s B %d context %d H %d splits %d:", fp8 ? "fp8       " : "fp8_ds_mla", k.batch, k.context, k.heads,
-              k.splits);
+  const char* format_name = fp8 ? "fp8" : k.format == CacheFormat::kBf16 ? "bf16" : "fp8_ds_mla";
+  std::printf("%-10s B %d context %d H %d splits %d:", format_name, k.batch, k.context, k.heads, k.splits);
   for (int kernel = 0; kernel < kKernels; ++kernel) {
     double worst = 0, size = 0, lse_worst = 0;
     for (int64_t i = 0; i < out_elems; ++i) {
@@ -185,11 +291,14 @@ int run_case(const Case& k, std::mt19937& rng) {
     const bool same = worst <= 2e-2 * (1 + size) && lse_worst <= 1e-2;
     agree = agree && same;
     std::printf(" %s %.2f us (%.0f GB/s, %.2f us a tile%s%s, max |diff| %.3g, lse %.3g);",
-                kernels[kernel] ? kernels[kernel] : "default", us[kernel], bytes / (us[kernel] * 1e3),
+                kernels[kernel].c_str(), us[kernel], bytes / (us[kernel] * 1e3),
                 us[kernel] / tiles_per_cta, kernel == 0 ? "" : ", ", kernel == 0 ? "" : same ? "agrees" : "DIFFERS",
                 worst, lse_worst);
   }
   std::printf("\n");
+#ifdef JKM_PHASE_STAMPS
+  print_phases(a, k, tiles_per_cta);
+#endif
 #ifdef JKM_WG_TRACE
   setenv("JAX_KIMI_MLA_DECODE_KERNEL", "wgmma", 1);
   (void)run(nullptr, a);
@@ -229,15 +338,27 @@ int run_case(const Case& k, std::mt19937& rng) {
 
 }  // namespace attention_probe
 
-int main() {
+int main(int argc, char** argv) {
   using namespace attention_probe;
   cudaDeviceProp prop;
   cudaGetDeviceProperties(&prop, 0);
   std::printf("%s, %d SMs\n", prop.name, prop.multiProcessorCount);
   std::mt19937 rng(7);
   int status = 0;
-  for (const Case& k : {Case{CacheFormat::kFp8, 64, 16384, 12, 2}, Case{CacheFormat::kFp8DsMla, 64, 16384, 12, 2},
-                        Case{CacheFormat::kFp8, 1, 4096, 12, 64}, Case{CacheFormat::kFp8DsMla, 1, 4096, 12, 64}})
-    status |= run_case(k, rng);
+  std::vector<Case> cases = {Case{CacheFormat::kFp8, 64, 16384, 12, 2}, Case{CacheFormat::kFp8DsMla, 64, 16384, 12, 2},
+                             Case{CacheFormat::kFp8, 1, 4096, 12, 64}, Case{CacheFormat::kFp8DsMla, 1, 4096, 12, 64}};
+  if (argc > 1) cases.clear();
+  for (int i = 1; i < argc; ++i) {  // format:B:context:H:splits
+    char format[16] = {};
+    Case k{};
+    if (std::sscanf(argv[i], "%15[^:]:%d:%d:%d:%d", format, &k.batch, &k.context, &k.heads, &k.splits) != 5) {
+      std::printf("a case is format:B:context:H:splits, not %s\n", argv[i]);
+      return 2;
+    }
+    const std::string f = format;
+    k.format = f == "bf16" ? CacheFormat::kBf16 : f == "fp8" ? CacheFormat::kFp8 : CacheFormat::kFp8DsMla;
+    cases.push_back(k);
+  }
+  for (const Case& k : cases) status |= run_case(k, rng);
   return status;
 }
