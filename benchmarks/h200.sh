@@ -4,7 +4,7 @@
 #   bash benchmarks/h200.sh [build] [test] [attn-test] [sanitize] [attn-sanitize] [selfcheck]
 #                           [bench] [bench-quick] [attn-bench] [attn-bench-quick] [prefill-test]
 #                           [prefill-bench] [prefill-bench-quick] [serve-h200] [ncu] [attn-ncu]
-#                           [soft-fp8] [wheel] [gather-probe] [attn-probe]
+#                           [soft-fp8] [wheel] [gather-probe] [attn-probe] [attn-phases]
 # Logs and a tarball of benchmarks/results go to $OUT (or ./h200-out).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -148,9 +148,18 @@ for s in $stages; do
       # (benchmarks/probes/decode_attention.cu).
       inc=(-I ffi/include -I "$(python3 -c 'import jax.ffi; print(jax.ffi.include_dir())')")
       bin=$(mktemp -d)
-      nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a "${inc[@]}" -o "$bin/attn" \
+      nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DJKM_SM90A_BUILT "${inc[@]}" -o "$bin/attn" \
         benchmarks/probes/decode_attention.cu 2>&1 | grep -E " error"
       stage attn-probe "$bin/attn" ;;
+    attn-phases)
+      # Where the default decode attention kernels' time goes beyond streaming their tiles: each
+      # CTA's phases and how the CTAs start and end (-DJKM_PHASE_STAMPS; about 90 s).
+      inc=(-I ffi/include -I "$(python3 -c 'import jax.ffi; print(jax.ffi.include_dir())')")
+      bin=$(mktemp -d)
+      nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DJKM_SM90A_BUILT -DJKM_PHASE_STAMPS "${inc[@]}" \
+        -o "$bin/phases" benchmarks/probes/decode_attention.cu 2>&1 | grep -E " error"
+      stage attn-phases env PROBE_KERNELS=default "$bin/phases" ds:64:16384:12:2 ds:16:16384:12:8 ds:128:16384:12:1 \
+        bf16:64:16384:12:2 bf16:16:16384:12:8 bf16:128:4096:12:1 fp8:64:16384:12:2 fp8:16:16384:12:8 bf16:1:4096:12:64 ;;
     *) echo "unknown stage $s"; status=1 ;;
   esac
 done

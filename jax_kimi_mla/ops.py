@@ -294,22 +294,8 @@ def default_num_splits(batch: int, rows: int, max_len: int, sm_count: int, rows_
     return next((s for s in range(1, most + 1) if use(s) >= 0.9), max(range(1, most + 1), key=use))
 
 
-def decode_scratch_floats(batch: int, rows: int, splits: int, sm_count: int, deterministic: bool) -> int:
-    """Float32 elements of the decode attention kernel's scratch. The split partials (none for one
-    split); or, where the call's grid of 16-row CUDA blocks is one wave of the GPU's ``sm_count``
-    and ``deterministic`` is off, the balancing scratch (twice the partial slots, two counters a
-    block: ``DecodeAttention::balanced_scratch_floats``), with which a block that is done takes
-    over tiles of a slower one."""
-    static = splits * batch * rows * (_checks.L + 1) if splits > 1 else 0
-    blocks = splits * -(-rows // ROWS_PER_CTA) * batch
-    if deterministic or sm_count <= 0 or blocks == 0 or blocks > sm_count:
-        return static
-    return 2 * splits * batch * rows * (_checks.L + 1) + 2 * blocks
-
-
 def mla_decode_attention(
-    mqa_q, kv_cache, block_tables, context_lens, *, softmax_scale, ds_mla=False, q_scale_inv=None, cache_scale_inv=None, return_lse=False, num_splits=None,
-    deterministic=False,
+    mqa_q, kv_cache, block_tables, context_lens, *, softmax_scale, ds_mla=False, q_scale_inv=None, cache_scale_inv=None, return_lse=False, num_splits=None
 ):
     """Paged MLA decode attention: the absorbed query over the latent cache, in one call.
 
@@ -331,10 +317,6 @@ def mla_decode_attention(
       return_lse: also return the log-sum-exp of the scaled scores.
       num_splits: the split-KV count of the CUDA kernel (static); None chooses it from the sizes
         and the GPU. Results do not depend on it.
-      deterministic: on the GPU, where the call's CUDA blocks are one wave, a block that is done
-        takes over tiles of a slower one, so which partial sum a token lands in depends on timing
-        and results vary at the rounding level from run to run (about 10% faster at B = 64 with a
-        bf16 cache on the H200). True keeps every split's tiles fixed: bit-identical reruns.
 
     The CUDA kernel needs sm_90+ (Hopper or newer); on older GPUs this calls
     ``jax_kimi_mla.reference.mla_decode_attention`` instead (same contract, jnp speed).
@@ -351,39 +333,30 @@ def mla_decode_attention(
           mqa_q, kv_cache, block_tables, context_lens)
     """
     c = _checks.decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale, ds_mla, q_scale_inv, cache_scale_inv, num_splits)
-    deterministic = _checks.static_bool("deterministic", deterministic)
     if _gpu_before_hopper():  # the documented fallback: the jnp reference, same contract
         return reference.mla_decode_attention(
             mqa_q, kv_cache, block_tables, context_lens, softmax_scale=softmax_scale, ds_mla=ds_mla,
             q_scale_inv=q_scale_inv, cache_scale_inv=cache_scale_inv, return_lse=return_lse)
     B, S, H = c.q.shape[:3]
     max_len = c.block_tables.shape[1] * c.kv_cache.shape[1]
-    sm_count = _sm_count()
-    splits = c.num_splits or default_num_splits(B, S * H, max_len, sm_count, _decode_rows_per_cta(c.kv_cache.dtype, B, S, H))
-    scratch = decode_scratch_floats(B, S * H, splits, sm_count, deterministic)
-    out, lse, _ = _ffi.call("mla_decode_attention", *decode_attention_operands(c, splits, scratch))
-    lead = (B,) if c.squeeze else (B, S)
-    out, lse = out.reshape(*lead, H, _checks.L), lse.reshape(*lead, H)
-    return (out, lse) if return_lse else out
-
-
-def decode_attention_operands(c: _checks.AttentionCall, splits: int, scratch_floats: int):
-    """The FFI target's operands of a checked mla_decode_attention call: (inputs, results, aliases,
-    attributes). Results: out [B * S_q, H, 512], lse [B * S_q, H] and the kernel's float32 scratch
-    (decode_scratch_floats)."""
-    B, S, H = c.q.shape[:3]
+    splits = c.num_splits or default_num_splits(B, S * H, max_len, _sm_count(), _decode_rows_per_cta(c.kv_cache.dtype, B, S, H))
     scales = [_reader_scale(c.q_scale_inv), _reader_scale(c.cache_scale_inv)]
+    partials = (splits * B * S * H * (_checks.L + 1),) if splits > 1 else (0,)
     # The FFI query is [B * S_q, H, 576]: the decode epilogue's mqa_q as it comes.
-    return (
+    out, lse, _ = _ffi.call(
+        "mla_decode_attention",
         [c.q.reshape(B * S, H, _checks.ENTRY), c.kv_cache, c.block_tables, c.context_lens, *scales],
         [
             jax.ShapeDtypeStruct((B * S, H, _checks.L), c.out_dtype),
             jax.ShapeDtypeStruct((B * S, H), jnp.float32),
-            jax.ShapeDtypeStruct((scratch_floats,), jnp.float32),
+            jax.ShapeDtypeStruct(partials, jnp.float32),
         ],
         {},
         {"softmax_scale": np.float32(c.softmax_scale), "q_tokens": np.int64(S), "num_splits": np.int64(splits)},
     )
+    lead = (B,) if c.squeeze else (B, S)
+    out, lse = out.reshape(*lead, H, _checks.L), lse.reshape(*lead, H)
+    return (out, lse) if return_lse else out
 
 
 def gather_mla_cache(kv_cache, block_tables, context_lens, *, num_tokens=None, ds_mla=False, cache_scale_inv=None, out_dtype=jnp.bfloat16):

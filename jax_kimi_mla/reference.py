@@ -155,12 +155,10 @@ def _dequantized_entries(c, rows):
 
 
 def mla_decode_attention(
-    mqa_q, kv_cache, block_tables, context_lens, *, softmax_scale, ds_mla=False, q_scale_inv=None, cache_scale_inv=None, return_lse=False, num_splits=None,
-    deterministic=False,
+    mqa_q, kv_cache, block_tables, context_lens, *, softmax_scale, ds_mla=False, q_scale_inv=None, cache_scale_inv=None, return_lse=False, num_splits=None
 ):
     """Reference of :func:`jax_kimi_mla.mla_decode_attention`: every table slot's entry gathered
-    as float32 [B, max_blocks * block_size, 576], then two einsums (``num_splits`` and
-    ``deterministic`` are ignored: it is deterministic).
+    as float32 [B, max_blocks * block_size, 576], then two einsums (``num_splits`` is ignored).
 
     A token that a query does not see (past its visible length, or with a block id outside
     [0, num_blocks)) is zeroed before that query's einsums, so garbage and NaN there never reach

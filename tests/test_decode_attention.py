@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import jax_kimi_mla
-from jax_kimi_mla import _checks, _ffi, reference
+from jax_kimi_mla import reference
 from jax_kimi_mla.numerics import ds_mla_encode, quantize_e4m3
 
 L, ENTRY = 512, 576
@@ -443,77 +443,3 @@ def test_cuda_combine_of_few_rows(batch):
     args, kw = make_case("bf16", "bfloat16", lens=lens, heads=16, block_size=64, seed=12 + batch)
     want = run(reference.mla_decode_attention, args, kw, "cpu")
     assert_close("bf16", "bfloat16", poisoned_run(args, dict(kw, num_splits=11), "cuda"), want)
-
-
-def test_balancing_scratch_where_the_blocks_are_one_wave():
-    """The op passes the balancing scratch (twice the partial slots, two counters a 16-row block)
-    only where the kernel can use it: a GPU, one wave of blocks, and ``deterministic`` off."""
-    floats = jax_kimi_mla.ops.decode_scratch_floats
-    partials = 2 * 4 * 12 * (L + 1)  # 2 splits x 4 sequences x 12 rows
-    assert floats(4, 12, 2, 132, deterministic=True) == partials
-    assert floats(4, 12, 2, 0, deterministic=False) == partials  # no GPU
-    assert floats(100, 12, 2, 132, deterministic=False) == 200 * 12 * (L + 1)  # 200 blocks: two waves
-    assert floats(4, 12, 2, 132, deterministic=False) == 2 * partials + 2 * 8
-    assert floats(4, 40, 1, 132, deterministic=False) == 2 * 4 * 40 * (L + 1) + 2 * 12  # 3 row groups
-    assert floats(4, 12, 1, 132, deterministic=True) == 0
-
-
-@pytest.mark.parametrize("deterministic", (False, True))
-def test_cpu_handler_takes_either_scratch(monkeypatch, deterministic):
-    """As if a GPU were the target (the scratch sizes a traced call on it passes), on the CPU
-    handler: the balancing scratch is accepted and changes nothing."""
-    monkeypatch.setattr(jax_kimi_mla.ops, "_sm_count", lambda: 132)
-    args, kw = make_case("bf16", "bfloat16", lens=(200, 1, 0), q_tokens=2, heads=3, seed=21)
-    kw = dict(kw, deterministic=deterministic)
-    want = run(reference.mla_decode_attention, args, kw, "cpu")
-    assert_close("bf16", "bfloat16", poisoned_run(args, kw, "cpu"), want)
-
-
-def balanced_call(args, kw, num_splits, backend):
-    """The FFI target (not the op, which drops its scratch) with the balancing scratch, under jit
-    on the backend: (out, lse) as run() returns them, and each 16-row block's `helped` flag (the
-    scratch's last ints)."""
-    arrays = {k: v for k, v in kw.items() if isinstance(v, np.ndarray | np.floating)}
-    static = {k: v for k, v in kw.items() if k not in arrays}
-    B, S, H = args["mqa_q"].shape[:3]
-    blocks = num_splits * -(-(S * H) // 16) * B
-    floats = jax_kimi_mla.ops.decode_scratch_floats(B, S * H, num_splits, blocks, deterministic=False)
-
-    def call(a, s):
-        c = _checks.decode_attention(*a, static["softmax_scale"], static.get("ds_mla", False), s.get("q_scale_inv"),
-                                     s.get("cache_scale_inv"), num_splits)
-        inputs, results, _, attrs = jax_kimi_mla.ops.decode_attention_operands(c, num_splits, floats)
-        return jax.ffi.ffi_call(_ffi.target_name("mla_decode_attention"), results)(*inputs, **attrs)
-
-    a, s = jax.device_put((list(args.values()), arrays), jax.devices(backend)[0])
-    out, lse, scratch = jax.jit(call)(a, s)
-    out = np.asarray(out.astype(jnp.float32)).reshape(B, S, H, L)
-    helped = np.asarray(scratch)[-blocks:].view(np.int32)
-    return (out, np.asarray(lse).reshape(B, S, H)), helped
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("num_splits", (1, 3))
-@pytest.mark.parametrize("q_tokens", (1, 2))
-def test_cuda_idle_blocks_take_over_a_long_split(q_tokens, num_splits):
-    """One long sequence among short and empty ones: the blocks of the short ones are done long
-    before it, take over tiles of its split(s) (their `helped` flags show it) and write partials
-    that the combine merges, even with one split. Checked against the reference after a run
-    whose outputs are all NaN."""
-    lens = (6000, 1, 17, 0, 64, 5, 130, 2, 0, 33, 1, 16)
-    args, kw = make_case("bf16", "bfloat16", lens=lens, q_tokens=q_tokens, heads=3, block_size=16, seed=31)
-    want = run(reference.mla_decode_attention, args, kw, "cpu")
-    balanced_call(dict(args, mqa_q=np.full_like(args["mqa_q"], np.nan)), kw, num_splits, "cuda")
-    got, helped = balanced_call(args, kw, num_splits, "cuda")
-    assert_close("bf16", "bfloat16", got, want)
-    assert helped[:num_splits].any(), helped  # sequence 0's blocks are the first num_splits
-
-
-@pytest.mark.cuda
-def test_cuda_deterministic_reruns_are_bit_identical():
-    args, kw = make_case("bf16", "bfloat16", lens=(3000, 1, 64, 0, 700), heads=12, block_size=64, seed=32)
-    kw = dict(kw, deterministic=True)
-    first, second = (run(jax_kimi_mla.mla_decode_attention, args, kw, "cuda") for _ in range(2))
-    for a, b in zip(first, second, strict=True):
-        np.testing.assert_array_equal(a, b)
-    assert_close("bf16", "bfloat16", first, run(reference.mla_decode_attention, args, kw, "cpu"))

@@ -13,7 +13,7 @@
 //
 // Cases: the arguments, each format:B:context:H:splits (format bf16, fp8 or ds), or four default
 // ones. PROBE_KERNELS=default,rs,... (comma-separated; "default" unsets the choice) times other
-// kernel choices than mma, default, ds16 and wgmma; PROBE_BALANCE=1 passes the balancing scratch.
+// kernel choices than mma, default, ds16 and wgmma.
 //
 //   INC="-I ffi/include -I $(python3 -c 'import jax.ffi; print(jax.ffi.include_dir())')"
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DJKM_SM90A_BUILT $INC -o /tmp/decode_attention \
@@ -86,11 +86,12 @@ int entry_bytes(CacheFormat f) {
   return f == CacheFormat::kBf16 ? 2 * kEntry : f == CacheFormat::kFp8 ? kEntry : kDsMlaEntryBytes;
 }
 
-// Random non-NaN E4M3 codes; ds_mla rows with power-of-two scales and bf16 k_pe; bf16 about N(0, 1).
+// Random non-NaN E4M3 codes; ds_mla rows with power-of-two scales and bf16 k_pe; bf16 values of
+// magnitude [0.5, 1) and random sign (a normal draw per value is slow at a gigabyte).
 std::vector<uint8_t> make_cache(CacheFormat f, int64_t rows, std::mt19937& rng) {
   const int bytes = entry_bytes(f);
   std::vector<uint8_t> cache(size_t(rows) * bytes);
-  if (f == CacheFormat::kBf16) {  // magnitudes in [0.5, 1), random signs (a normal draw a value is slow at 1 GB)
+  if (f == CacheFormat::kBf16) {
     for (size_t i = 0; i < cache.size(); i += 2) {
       const uint32_t r = rng();
       const uint16_t h = uint16_t(0x3F00u | (r & 0x80FFu));
@@ -201,10 +202,7 @@ int run_case(const Case& k, std::mt19937& rng) {
   float *d_scales, *d_lse, *d_partials;
   uint16_t* d_out;
   const int64_t out_elems = int64_t(k.batch) * k.heads * kLatent;
-  // The balancing scratch (PROBE_BALANCE=1, as the Python op passes where it applies) or the static one.
-  const bool balance = std::getenv("PROBE_BALANCE") != nullptr && std::string(std::getenv("PROBE_BALANCE")) == "1";
-  const size_t partial_floats = balance ? size_t(DecodeAttention::balanced_scratch_floats(k.splits, k.batch, k.heads))
-                                : k.splits > 1 ? size_t(k.splits) * k.batch * k.heads * kAttnRowStats : 0;
+  const size_t partial_floats = k.splits > 1 ? size_t(k.splits) * k.batch * k.heads * kAttnRowStats : 0;
   if (!ok(cudaMalloc(&d_cache, cache.size()), "malloc") || !ok(cudaMalloc(&d_q, q.size()), "malloc") ||
       !ok(cudaMalloc(&d_tables, tables.size() * 4), "malloc") || !ok(cudaMalloc(&d_lens, lens.size() * 4), "malloc") ||
       !ok(cudaMalloc(&d_scales, 8), "malloc") || !ok(cudaMalloc(&d_lse, size_t(k.batch) * k.heads * 4), "malloc") ||
@@ -230,8 +228,7 @@ int run_case(const Case& k, std::mt19937& rng) {
   a.batch = k.batch, a.q_tokens = 1, a.heads = k.heads;
   a.q = d_q, a.softmax_scale = 0.0417f;
   a.q_scale_inv = fp8 ? d_scales : nullptr;
-  a.out = d_out, a.lse = d_lse, a.num_splits = k.splits;
-  (void)a.attach_partials(d_partials, int64_t(partial_floats));
+  a.out = d_out, a.lse = d_lse, a.partials = k.splits > 1 ? d_partials : nullptr, a.num_splits = k.splits;
 
   // The kernels by JAX_KIMI_MLA_DECODE_KERNEL: attention_kernel (forced), the default (for plain
   // fp8 under an E4M3 q, fp8_attention_kernel), ds16 (for fp8_ds_mla, ds_attention_kernel; else

@@ -129,8 +129,8 @@
 // Phase stamps of attention_kernel, fp8_attention_kernel and rs_attention_kernel, for
 // benchmarks/probes/decode_attention.cu built with -DJKM_PHASE_STAMPS (which defines these to
 // record a CTA's timeline and CTA 0's tiles); nothing otherwise. Points: 0 entry, 1 the first
-// tiles' rows looked up, 2 the prologue done, 3 the first tile landed, 4 the loop left, 5 the
-// output rows staged, 6 exit.
+// tiles' rows looked up, 2 the prologue done, 3 the first tile landed (JKM_TILE_AT(0)), 4 the
+// loop left, 5 the output rows staged, 6 exit.
 #ifndef JKM_PHASE_AT
 #define JKM_PHASE_AT(point)
 #define JKM_TILE_AT(tile)
@@ -210,8 +210,7 @@ struct Layout {
   static constexpr int kZeroRows = kEntries + kStages * kTileTokens * 8;  // uint64 [kStages] (16-bit)
   static constexpr int kBarriers = kZeroRows + 32;                         // uint64 [kStages], 32 B
   static constexpr int kStats = kBarriers + 32;                            // RowStats
-  static constexpr int kTileOf = kStats + (int(sizeof(float)) * 3 * kTileRows + 15) / 16 * 16;  // int [kTileRing + 1]
-  static constexpr int kVTile = kTileOf + 48;  // [kVTiles][64][kVRowBytes]
+  static constexpr int kVTile = kStats + (int(sizeof(float)) * 3 * kTileRows + 15) / 16 * 16;  // [kVTiles][64][kVRowBytes]
   static constexpr int kBytes = kVTile + kVTiles * kVTileBytes;
   // The query tile [16][kRowBytes] is read into registers once, before the first tile lands:
   // in the last stage (16-bit), or in the second V tile, which QK^T of tile 1 first writes.
@@ -503,7 +502,7 @@ __device__ __forceinline__ void store_q(const DecodeAttention& a, const uint4 (&
 // split in n_tiles tiles.
 struct Work {
   int64_t b, row0, first, load_end, n_tiles;
-  int slot;  // the partial slot the CTA writes, or -1: out and lse directly (one split, no balancing)
+  int slot;  // the partial slot the CTA writes (its split), or -1: out and lse directly (one split)
 };
 
 // The work of split `split` of sequence b (len tokens) for the CTA whose first row is row0: its
@@ -518,54 +517,17 @@ __device__ __forceinline__ Work split_work(const DecodeAttention& a, int64_t b, 
   w.first = split * split_tokens;
   w.load_end = min64(min64(w.first + split_tokens, len), visible);
   w.n_tiles = w.load_end > w.first ? (w.load_end - w.first + kTileTokens - 1) / kTileTokens : 0;
-  w.slot = a.num_splits == 1 && !a.balancing ? -1 : int(split);
+  w.slot = a.num_splits == 1 ? -1 : int(split);
   return w;
 }
 
-// The cache row of token `token` of the split's tile `tile`, or -1: masked, past the loaded range,
-// or no such tile (tile < 0 included).
+// The cache row of token `token` of tile `tile`, or -1: masked, past the loaded range, or no such
+// tile.
 __device__ __forceinline__ int64_t tile_token_row(const DecodeAttention& a, const Work& w, int64_t tile,
                                                   int token) {
   const int64_t t = w.first + tile * kTileTokens + token;
-  return tile >= 0 && tile < w.n_tiles && t < w.load_end ? a.token_row(w.b, t) : -1;
+  return tile < w.n_tiles && t < w.load_end ? a.token_row(w.b, t) : -1;
 }
-
-// The work of split `split` of sequence b (len tokens) for the CTA of 16-row group `group`: its
-// loads end at the last token any of its rows sees.
-__device__ __forceinline__ Work group_work(const DecodeAttention& a, int64_t b, int64_t group, int64_t split,
-                                           int64_t len) {
-  const int64_t row0 = group * kTileRows, last_row = min64(row0 + kTileRows, a.rows()) - 1;
-  return split_work(a, b, row0, split, len, a.row_visible_len(len, last_row));
-}
-
-// ---- Balancing the splits of one wave (attention_kernel) ----
-//
-// A resident wave of CTAs that each stream a fixed split ends with its slowest CTA, and the SMs
-// do not stream at one speed: on the H200, B 64 x 16k bf16, the CTAs' loops took 241-309 us
-// (docs/DECODE_ATTENTION.md, Nineteenth round). So where the call's 16-row grid is one wave and the
-// scratch has room (DecodeAttention::claims), a CTA that has finished its split helps the split
-// within reach (the next kHelpReach CTAs) with the most tiles left: the split's tiles past the
-// first kept ones (which its own CTA loads at once) go to whichever of the two claims them first,
-// from the split's counter, and the helper writes partial slot num_splits + split, which the
-// combine merges where `helped` marks the split. Which partial a tile lands in then depends on
-// timing, so results vary at the rounding level from run to run;
-// ops.mla_decode_attention(deterministic=True) passes the static scratch.
-constexpr int kHelpReach = 16;    // the CTAs after its own that a done CTA looks at
-// Splits shorter than this are not balanced: their skew is small, and the counters' clearing, the
-// search for a split to help and the combine's helper slots cost more (H200: B = 1, 64 one-tile
-// splits, 15.5 -> 19.4 us).
-constexpr int kBalanceMinSplitTiles = 16;
-constexpr int kMinHelpTiles = 6;  // tiles left worth a helper's prologue (about two tiles' time)
-constexpr int kTileRing = 8;      // the CTA's tile order, kept a stage count + 3 tiles ahead
-static_assert(DecodeAttention::kBalanceRows == kTileRows, "the counters index the grid of 16-row CTAs");
-
-// The split a CTA attends to: its own, or one it helps. cta: the split's CTA in the 16-row grid
-// (its counter), -1 without balancing.
-struct Assignment {
-  int64_t b, split, group;
-  int cta;
-  bool helper;
-};
 
 // ---- sm_90: bulk copies (TMA) completing on an mbarrier ----
 //
@@ -1033,7 +995,7 @@ __device__ __forceinline__ void store_out8(const DecodeAttention& a, int64_t b, 
 }
 
 // Output columns [col, col + 8) of query row r of the CTA's sequence, from 8 staged floats
-// (16-byte aligned): to out in its dtype, or to the CTA's partial slot (Work::slot).
+// (16-byte aligned): to out in its dtype (one split), or to the CTA's partial slot (Work::slot).
 __device__ __forceinline__ void store_out_piece(const DecodeAttention& a, const Work& w, int64_t r, int col,
                                                 const float* staged) {
   const float4 lo = *reinterpret_cast<const float4*>(staged);
@@ -1100,21 +1062,21 @@ __device__ __forceinline__ void write_rows(const DecodeAttention& a, const Work&
   }
 }
 
-// One CTA's work for one split of a sequence (its own, or one it helps). Block-uniform control flow
-// throughout (barriers inside).
+// One CTA's work for sequence b. Block-uniform control flow throughout (barriers inside).
 template <CacheFormat kFormat, ActType kElem>
-__device__ void attend(const DecodeAttention& a, const TileMaps& maps, const Assignment& as, const Scales& scales,
+__device__ void attend(const DecodeAttention& a, const TileMaps& maps, int64_t b, const Scales& scales,
                        uint8_t* smem) {
   using L = Layout<kFormat>;
   using V = VTile<L::kSwizzled, L::kVRowBytes>;
-  const int64_t rows = a.rows(), len = a.context_len(as.b);
+  const int64_t rows = a.rows(), len = a.context_len(b);
   // Rows are (query token, head): the first row of the CTA sees the fewest tokens, its last real
   // row the most; no row sees tokens past seen_by_any, so those are not loaded.
-  Work w = group_work(a, as.b, as.group, as.split, len);
-  const int64_t seen_by_all = a.row_visible_len(len, w.row0);
-  const int64_t seen_by_any = a.row_visible_len(len, min64(w.row0 + kTileRows, rows) - 1);
-  if (as.helper) w.slot = a.num_splits + int(as.split);
-  if (w.slot >= 0 && w.first >= len) return;  // not a live split: the combine skips it
+  const int64_t row0 = int64_t(blockIdx.y) * kTileRows;
+  const int64_t last_row = min64(row0 + kTileRows, rows) - 1;
+  const int64_t seen_by_all = a.row_visible_len(len, row0);
+  const int64_t seen_by_any = a.row_visible_len(len, last_row);
+  const Work w = split_work(a, b, row0, blockIdx.x, len, seen_by_any);
+  if (a.num_splits > 1 && w.first >= len) return;  // not a live split: the combine skips it
 
   Lane t;
   t.warp = int(threadIdx.x) / 32, t.lane = int(threadIdx.x) % 32;
@@ -1150,44 +1112,25 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, const Ass
   const auto v_tile = [&](int64_t tile, int s) {
     return L::kConverts ? smem + L::kVTile + int(tile & 1) * L::kVTileBytes : raw + s * L::kRawTileBytes;
   };
-  // The CTA's tiles in its order: tile_of[i % kTileRing] is the split tile of its i-th, -1 past the
-  // last. Static: the split's tiles in order. Balancing: the owner keeps the first `kept` and then
-  // claims, as a helper claims all, from the split's counter (kHelpReach's comment). Thread 64
-  // publishes tile i + kStages + 1 during tile i, a tile before its rows are looked up, from the
-  // claim it made during tile i - 1: an atomic's latency on the tile's path cost 9% (H200).
-  int* tile_of = reinterpret_cast<int*>(smem + L::kTileOf);
-  int* const counter = as.cta >= 0 ? a.claims + as.cta : nullptr;
-  const int64_t kept = min64(kStages + 1, w.n_tiles);
-  const auto claimed = [&](int64_t c) { return kept + c < w.n_tiles ? int(kept + c) : -1; };
-  const auto own_tile = [&](int64_t i) { return i < w.n_tiles ? int(i) : -1; };
-  const bool claimer = threadIdx.x == kTileTokens;
-  bool claims_left = true;  // the claimer's: no claim has come back empty
-  int pending = 0;          // the claimer's claim in flight (balancing)
 
   // The prologue: the query's loads in flight with the lookups, the first copies issued before
   // the query tile is written (they land elsewhere).
-  __syncthreads();  // this CTA's previous split is done with the shared memory
+  __syncthreads();  // this CTA's previous sequence is done with the shared memory
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) mbarrier_init(stage_full + s, L::kSwizzled ? 32 : kTileTokens);
     mbarrier_init_fence();
-    const int64_t first_claim = as.helper ? atomicAdd(counter, kStages + 1) : 0;
-    for (int i = 0; i <= kStages; ++i) tile_of[i] = as.helper ? claimed(first_claim + i) : own_tile(i);
   }
-  if (claimer && counter != nullptr) pending = atomicAdd(counter, 1);  // for tile kStages + 1
   uint4 q_fetched[kQChunksPerThread];
-  fetch_q<kElem>(a, as.b, w.row0, q_fetched);
-  if (as.helper) __syncthreads();  // its first tiles are claimed (an owner's first tiles are its first)
-  if (threadIdx.x < kStages * kTileTokens) {
-    const int i = threadIdx.x / kTileTokens;
-    tile_rows[threadIdx.x] = tile_token_row(a, w, as.helper ? tile_of[i] : own_tile(i), threadIdx.x % kTileTokens);
-  }
+  fetch_q<kElem>(a, b, w.row0, q_fetched);
+  if (threadIdx.x < kStages * kTileTokens)
+    tile_rows[threadIdx.x] = tile_token_row(a, w, threadIdx.x / kTileTokens, threadIdx.x % kTileTokens);
   __syncthreads();  // the rows of the first tiles and the mbarriers are ready
   JKM_PHASE_AT(1);
   // In flight before the loop: every stage when pipelined, else all but the one Q lies in.
   constexpr int kFirstIssued = L::kPipelined ? kStages : kStages - 1;
 #pragma unroll
   for (int s = 0; s < kFirstIssued; ++s)
-    if (tile_of[s] >= 0) issue(s);
+    if (s < w.n_tiles) issue(s);
   store_q<kFormat, kElem>(a, q_fetched, q_tile);
   if constexpr (L::kSwizzled) fence_proxy_async();  // Q lies in the last stage, where a tile lands later
   __syncthreads();  // the query tile is complete
@@ -1204,8 +1147,7 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, const Ass
   float out[kOutBlocks][4] = {};
   RowState state;  // of row softmax_row(t)
   RowStats& stats = *reinterpret_cast<RowStats*>(smem + L::kStats);
-  // out += P V of the CTA's tile `tile` (slot s), after its softmax: rescale by its alphas, then the
-  // MMAs.
+  // out += P V of tile `tile` (slot s), after its softmax: rescale by its alphas, then the MMAs.
   const auto accumulate_pv = [&](int64_t tile, int s) {
 #pragma unroll
     for (int n = 0; n < kOutBlocks; ++n)
@@ -1214,7 +1156,7 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, const Ass
     uint32_t p[kPvSteps][4];
     load_p_fragments<L::kPRowBytes>(t, p_tile, p);
     uint8_t* kv = v_tile(tile, s);
-    const int64_t tile_first = w.first + int64_t(tile_of[tile % kTileRing]) * kTileTokens;
+    const int64_t tile_first = w.first + tile * kTileTokens;
     const int64_t partly_lo = max64(seen_by_all, tile_first);
     const int64_t partly_hi = min64(seen_by_any, tile_first + kTileTokens);
     if (partly_lo < partly_hi)
@@ -1235,18 +1177,9 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, const Ass
     const int prev = slot == 0 ? kStages - 1 : slot - 1;  // the slot of tile - 1
     // Pipelined, tile - 1 + kStages goes to the stage of tile - 1, which QK^T has converted.
     if constexpr (L::kPipelined)
-      if (tile > 0 && tile_of[(tile - 1 + kStages) % kTileRing] >= 0) issue(prev);
+      if (tile > 0 && tile - 1 + kStages < w.n_tiles) issue(prev);
     if (tile > 0) accumulate_pv(tile - 1, prev);
-    const int split_tile = tile_of[tile % kTileRing];
-    if (split_tile < 0) break;
-    // Tile + kStages + 1, published after this tile's first barrier; balancing, the claim for the
-    // next goes out now.
-    int ahead = -1;
-    if (claimer && claims_left) {
-      ahead = counter == nullptr ? own_tile(tile + kStages + 1) : claimed(pending);
-      claims_left = ahead >= 0;
-      if (counter != nullptr && claims_left) pending = atomicAdd(counter, 1);
-    }
+    if (tile == w.n_tiles) break;
     mbarrier_wait(stage_full + slot, (parity >> slot) & 1);
     JKM_TILE_AT(tile);
     parity ^= 1u << slot;
@@ -1255,12 +1188,11 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, const Ass
       zero_masked_rows(zero_rows[slot], stage);
       __syncthreads();  // tile has landed, and every warp is done with tile - 1 (its stage, P)
       // Tile + kStages - 1 goes to the stage of tile - 1.
-      if (tile_of[(tile + kStages - 1) % kTileRing] >= 0) issue(prev);
+      if (tile + kStages - 1 < w.n_tiles) issue(prev);
     }
     // The rows of tile + kStages, looked up now so that their latency hides behind this tile's
     // math.
-    const int64_t row_ahead =
-        looks_up ? tile_token_row(a, w, tile_of[(tile + kStages) % kTileRing], lookup_token) : -1;
+    const int64_t row_ahead = looks_up ? tile_token_row(a, w, tile + kStages, lookup_token) : -1;
     float acc[2][2][4] = {};
     uint32_t nan_lanes[2] = {0, 0};
     if constexpr (L::kConverts) {
@@ -1279,13 +1211,12 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, const Ass
       else
         qk_tile<kElem, kHalfStep, kQkSteps - kHalfStep>(t, q, stage, acc);
     }
-    write_logits(t, acc, nan_lanes, tile_rows + slot * kTileTokens, w.first + int64_t(split_tile) * kTileTokens,
-                 scales.logit, scores + t.half * kTileRows * kScoreStride);
+    write_logits(t, acc, nan_lanes, tile_rows + slot * kTileTokens, w.first + tile * kTileTokens, scales.logit,
+                 scores + t.half * kTileRows * kScoreStride);
     // The 16 x 64 logits (and a 1-byte format's V tile) are complete; every warp is done with
     // P.V of tile - 1 and with this tile's raw stage and rows.
     __syncthreads();
     if (looks_up) tile_rows[slot * kTileTokens + lookup_token] = row_ahead;
-    if (claimer) tile_of[(tile + kStages + 1) % kTileRing] = ahead;
     softmax_rows<kElem, L::kPRowBytes>(t, scores, p_tile, state, stats);
     __syncthreads();  // the P tile and the rows' alphas are complete
     slot = slot + 1 == kStages ? 0 : slot + 1;
@@ -1299,63 +1230,14 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, const Ass
   write_rows(a, w, t, scales, stats, out, reinterpret_cast<float*>(smem + L::kRaw));
 }
 
-// Balancing, for a CTA done with its own split (CTA `me` of the grid): the split within reach with
-// the most tiles left to claim, at least kMinHelpTiles, that no other CTA helps yet; cta -1 if
-// none. Warp 0 looks (a lane a CTA), the CTA learns the answer through `chosen` in shared memory.
-template <int kStages>
-__device__ Assignment split_to_help(const DecodeAttention& a, int me, int* chosen) {
-  const int splits = int(gridDim.x), groups = int(gridDim.y), ctas = splits * groups * int(gridDim.z);
-  const auto assignment = [&](int cta) {
-    return Assignment{cta / (splits * groups), cta % splits, cta / splits % groups, cta, true};
-  };
-  if (threadIdx.x < 32) {
-    const int lane = int(threadIdx.x), cta = (me + 1 + lane) % ctas;
-    int left = -1;  // tiles not yet claimed (an estimate: both CTAs may be claiming)
-    if (lane < kHelpReach && lane + 1 < ctas) {
-      const Assignment as = assignment(cta);
-      const Work w = group_work(a, as.b, as.group, as.split, a.context_len(as.b));
-      left = int(w.n_tiles - min64(kStages + 1, w.n_tiles)) - *reinterpret_cast<volatile int*>(a.claims + cta);
-    }
-    int pick = -1;
-    for (int round = 0; round < kHelpReach; ++round) {
-      int most = left;
-#pragma unroll
-      for (int k = 16; k > 0; k /= 2) most = max(most, __shfl_xor_sync(0xFFFFFFFFu, most, k));
-      if (most < kMinHelpTiles) break;
-      const int lead = __ffs(__ballot_sync(0xFFFFFFFFu, left == most)) - 1;
-      const bool taken = lane == lead && atomicCAS(a.helped + cta, 0, 1) == 0;
-      if (__shfl_sync(0xFFFFFFFFu, taken, lead)) {
-        pick = __shfl_sync(0xFFFFFFFFu, cta, lead);
-        break;
-      }
-      if (lane == lead) left = -1;  // another CTA helps it
-    }
-    if (lane == 0) *chosen = pick;
-  }
-  __syncthreads();
-  const int pick = *chosen;
-  return pick >= 0 ? assignment(pick) : Assignment{0, 0, 0, -1, true};
-}
-
 template <CacheFormat kFormat, ActType kElem>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     attention_kernel(const DecodeAttention a, const __grid_constant__ TileMaps maps) {
-  using L = Layout<kFormat>;
   extern __shared__ __align__(1024) uint8_t smem[];
   JKM_PHASE_AT(0);
-  if constexpr (L::kSwizzled) prefetch_tile_maps(maps);
+  if constexpr (Layout<kFormat>::kSwizzled) prefetch_tile_maps(maps);
   const Scales scales = load_scales<kFormat>(a);
-  // Balancing (the host's choice) needs one wave and B <= 65535: a CTA a split of one sequence.
-  const int me = a.balancing ? int(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)) : -1;
-  for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) {
-    // One call site of attend (a second one, inlined, made ptxas spill): the CTA's own split, then
-    // balancing, the split it helps.
-    for (Assignment as{b, blockIdx.x, blockIdx.y, me, false}; as.cta >= 0 || !as.helper;) {
-      attend<kFormat, kElem>(a, maps, as, scales, smem);
-      if (!a.balancing || as.helper) break;
-      as = split_to_help<L::kStages>(a, me, reinterpret_cast<int*>(smem + L::kTileOf) + kTileRing);
-    }
-  }
+  for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) attend<kFormat, kElem>(a, maps, b, scales, smem);
   JKM_PHASE_AT(6);
 }
 
@@ -2372,8 +2254,7 @@ __global__ void __launch_bounds__(kThreads, 1) rs_attention_kernel(const DecodeA
 // running max; the warps' sums then meet, rescaled to the common max, in a fixed order. With few
 // rows, a row's 512 columns are split over kColumnParts CTAs, so that more SMs share its loads
 // (each part computes the same weights; part 0 writes the lse). An empty (-inf) split is skipped
-// and its outputs never enter the sums; a NaN lse makes the row NaN. Balancing, the sources are
-// the splits' slots and then their helpers' (slot num_splits + s, where `helped` marks split s).
+// and its outputs never enter the sums; a NaN lse makes the row NaN.
 constexpr int kCombineRound = 4;
 
 template <int kCombineWarps, int kColumnParts>
@@ -2391,30 +2272,23 @@ __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const Decod
     const int64_t len = a.context_len(b);
     float4 acc[kLaneChunks] = {};
     float weight_sum = 0.0f, max_lse = -INFINITY;  // this warp's sums, relative to max_lse
-    const int splits = a.num_splits, sources = a.balancing ? 2 * splits : splits;
-    // Helper slot num_splits + s counts where split s (its CTA in the 16-row grid) was helped.
-    const auto helped = [&](int s) {
-      const int64_t groups = (rows + kTileRows - 1) / kTileRows;
-      return a.helped[s + splits * (r / kTileRows + groups * b)] != 0;
-    };
     // A round's loads go out before the live count is known (they do not wait for the length's
-    // load): every slot's partial exists, and a dead or unused slot's values are never used.
-    for (int first = warp; first < sources; first += kCombineWarps * kCombineRound) {
+    // load): every split's partial exists, and a dead split's values are never used.
+    for (int first = warp; first < a.num_splits; first += kCombineWarps * kCombineRound) {
       float4 o[kCombineRound][kLaneChunks];
       float lse[kCombineRound];
 #pragma unroll
       for (int i = 0; i < kCombineRound; ++i) {
         const int s = first + i * kCombineWarps;
-        lse[i] = s < sources && (s < splits || helped(s - splits)) ? *a.partial_lse(s, b, r) : -INFINITY;
-        const float4* part = reinterpret_cast<const float4*>(a.partial(s < sources ? s : first, b, r) + first_column);
+        lse[i] = s < a.num_splits ? *a.partial_lse(s, b, r) : -INFINITY;
+        const float4* part = reinterpret_cast<const float4*>(a.partial(s < a.num_splits ? s : first, b, r) + first_column);
 #pragma unroll
         for (int k = 0; k < kLaneChunks; ++k) o[i][k] = part[32 * k + lane];
       }
       const int live = a.live_splits(len);
 #pragma unroll
       for (int i = 0; i < kCombineRound; ++i) {
-        const int s = first + i * kCombineWarps;
-        if ((s < splits ? s : s - splits) >= live || lse[i] == -INFINITY) continue;  // dead, empty, or none
+        if (first + i * kCombineWarps >= live || lse[i] == -INFINITY) continue;  // dead, empty, or no such split
         const float new_max = fmaxf(max_lse, lse[i]);  // skips NaN: a NaN lse propagates through its weight
         const float rescale = max_lse == -INFINITY ? 1.0f : expf(max_lse - new_max);
         const float weight = expf(lse[i] - (new_max == -INFINITY ? 0.0f : new_max));
@@ -2428,8 +2302,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const Decod
           acc[k].w = fmaf(weight, o[i][k].w, acc[k].w * rescale);
         }
       }
-      // No live source in later rounds (a helper's slot is live where its split is).
-      if (first + kCombineWarps * kCombineRound >= (a.balancing ? splits + live : live)) break;
+      if (first + kCombineWarps * kCombineRound >= live) break;  // no live split in later rounds
     }
 #pragma unroll
     for (int k = 0; k < kLaneChunks; ++k) reinterpret_cast<float4*>(warp_acc[warp])[32 * k + lane] = acc[k];
@@ -3422,15 +3295,13 @@ ActType mma_type(const DecodeAttention& a) {
   return f16 ? ActType::kF16 : ActType::kBF16;
 }
 
-ffi::Error run(cudaStream_t stream, const DecodeAttention& call) {
-  int device = 0, major = 0, sm_count = 0;
+ffi::Error run(cudaStream_t stream, const DecodeAttention& a) {
+  int device = 0, major = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major < 9)
     return ffi::Error::InvalidArgument(
         "jax_kimi_mla mla_decode_attention: the CUDA kernel needs an sm_90+ GPU (Hopper or newer); on this "
         "GPU use jax_kimi_mla.reference.mla_decode_attention");
-  cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
-  DecodeAttention a = call;  // as launched
   const int64_t rows = a.rows();
   const std::string choice = kernel_choice();
   const DecodeKernel kernel = choose_kernel(a, major, choice);
@@ -3442,15 +3313,6 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& call) {
   // Grid z (y for the combine) holds at most 65535 sequences; the kernels loop over the rest.
   const unsigned batch_blocks = unsigned(a.batch < kMaxGridYZ ? a.batch : kMaxGridYZ);
   const dim3 grid(unsigned(a.num_splits), unsigned(row_groups), batch_blocks);
-  // Balancing (attention_kernel's splits helping each other) where the scratch has room, the grid
-  // is one wave (one CTA per SM) and a CTA is one split of one sequence; its counters start at 0.
-  const int64_t ctas = int64_t(a.num_splits) * row_groups * a.batch;
-  a.balancing = a.claims != nullptr && kernel == DecodeKernel::kMma && a.batch <= kMaxGridYZ && ctas <= sm_count &&
-                a.split_tokens(a.max_len()) >= kBalanceMinSplitTiles * kTileTokens;
-  if (a.balancing) {
-    const cudaError_t err = cudaMemsetAsync(a.claims, 0, 2 * size_t(ctas) * sizeof(int), stream);
-    if (err != cudaSuccess) return cuda_error("clearing the balancing counters", err);
-  }
   const bool f16 = mma_type(a) == ActType::kF16;
   ffi::Error err = ffi::Error::Success();
   bool merged_in_cluster = false;  // the splits merged in the attention kernel: no combine
@@ -3485,18 +3347,20 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& call) {
     }
   }
   if (err.failure()) return err;
-  if ((a.num_splits > 1 || a.balancing) && !merged_in_cluster) {
+  if (a.num_splits > 1 && !merged_in_cluster) {
     // Few rows (small B): 16 warps a row, so that a row's splits are loaded in one round, and
     // where the SMs outnumber the rows, a row's columns in 2 or 4 CTAs, so that more SMs load
     // them (H200, H 12, context 4096: B = 1 -0.5 us, and at B = 8 and 16 four parts were
     // 1-2 us slower than one); many rows: 4 warps a row, so that the CTAs are small and many
     // are resident.
-    const int64_t row_ctas = rows * batch_blocks;
-    if (4 * row_ctas <= sm_count)
+    int sm_count = 0;
+    cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
+    const int64_t ctas = rows * batch_blocks;
+    if (4 * ctas <= sm_count)
       combine_kernel<16, 4><<<dim3(unsigned(rows), batch_blocks, 4), 32 * 16, 0, stream>>>(a);
-    else if (2 * row_ctas <= sm_count)
+    else if (2 * ctas <= sm_count)
       combine_kernel<16, 2><<<dim3(unsigned(rows), batch_blocks, 2), 32 * 16, 0, stream>>>(a);
-    else if (row_ctas < 2 * int64_t(sm_count))
+    else if (ctas < 2 * int64_t(sm_count))
       combine_kernel<16, 1><<<dim3(unsigned(rows), batch_blocks), 32 * 16, 0, stream>>>(a);
     else
       combine_kernel<4, 1><<<dim3(unsigned(rows), batch_blocks), 32 * 4, 0, stream>>>(a);

@@ -26,18 +26,10 @@ struct DecodeAttention : PagedCache {
   const float* q_scale_inv = nullptr;
   void* out = nullptr;    // [B * S_q, H, 512] act
   float* lse = nullptr;   // [B * S_q, H] float32, natural log
-  // Split-KV partials (num_splits > 1, or balancing scratch), float32: the outputs
-  // [partial_slots(), B, S_q * H, 512], then the lse [partial_slots(), B, S_q * H] (outputs apart
-  // so that their rows are 16-byte aligned). Slot s < num_splits is split s's; with balancing scratch, slot
-  // num_splits + s is that of the CTA that helped split s (balanced_scratch_floats).
+  // Split-KV partials (num_splits > 1 only), float32: the outputs [num_splits, B, S_q * H, 512],
+  // then the lse [num_splits, B, S_q * H] (outputs apart so that their rows are 16-byte aligned).
   float* partials = nullptr;
   int num_splits = 1;
-  // Balancing scratch, after the partials: per CTA of the 16-row grid (split, row group, sequence),
-  // its split's count of tiles claimed past the first kept ones, then whether a helper took it.
-  // Null without that scratch. The CUDA host sets `balancing` when the launched kernel uses them.
-  int* claims = nullptr;
-  int* helped = nullptr;
-  bool balancing = false;
 
   JKM_HD int64_t rows() const { return q_tokens * heads; }  // query rows of one sequence
 
@@ -66,35 +58,10 @@ struct DecodeAttention : PagedCache {
   }
 
   // Partial result of split s for query row r of sequence b: 512 normalized outputs, and its lse.
-  JKM_HD int partial_slots() const { return claims != nullptr ? 2 * num_splits : num_splits; }
   JKM_HD int64_t partial_row(int s, int64_t b, int64_t r) const { return (int64_t(s) * batch + b) * rows() + r; }
   JKM_HD float* partial(int s, int64_t b, int64_t r) const { return partials + partial_row(s, b, r) * kLatent; }
   JKM_HD float* partial_lse(int s, int64_t b, int64_t r) const {
-    return partials + int64_t(partial_slots()) * batch * rows() * kLatent + partial_row(s, b, r);
-  }
-
-  // The scratch that lets the CUDA kernel balance its splits' tiles at run time (a CTA that is
-  // done helps a slower one of the same wave): twice the partial slots, and two ints per CTA of
-  // the 16-row grid. The static scratch is num_splits * B * S_q * H * 513 floats (none for one
-  // split); a caller passes either.
-  static constexpr int64_t kBalanceRows = 16;  // query rows per CTA of the grid the counters index
-  static int64_t balanced_scratch_floats(int64_t splits, int64_t batch, int64_t rows) {
-    const int64_t ctas = splits * ((rows + kBalanceRows - 1) / kBalanceRows) * batch;
-    return 2 * splits * batch * rows * kAttnRowStats + 2 * ctas;
-  }
-  // Points partials (and with the balancing scratch, claims and helped) into `count` floats at
-  // `data`, after batch, heads, q_tokens and num_splits are set: false if count is neither size.
-  bool attach_partials(float* data, int64_t count) {
-    const int64_t fixed = num_splits == 1 ? 0 : num_splits * batch * rows() * kAttnRowStats;
-    const int64_t balanced = balanced_scratch_floats(num_splits, batch, rows());
-    partials = num_splits == 1 ? nullptr : data, claims = helped = nullptr;
-    if (count == fixed) return true;
-    if (count != balanced) return false;
-    const int64_t slots = 2 * num_splits * batch * rows() * kAttnRowStats;
-    partials = data;
-    claims = reinterpret_cast<int*>(data + slots);
-    helped = claims + (balanced - slots) / 2;
-    return true;
+    return partials + int64_t(num_splits) * batch * rows() * kLatent + partial_row(s, b, r);
   }
 };
 
@@ -103,10 +70,9 @@ struct DecodeAttention : PagedCache {
 // Operands: q act|f8 [B * S_q, H, 576]; kv_cache act|f8|u8 [N, bs, W]; block_tables idx [B,
 // max_blocks]; context_lens idx [B]; q_scale_inv f32 [1] or [0]; cache_scale_inv f32 [1] or [0].
 // Results: out act [B * S_q, H, 512]; lse f32 [B * S_q, H]; partials f32 [num_splits * B * S_q *
-// H * 513] (empty when num_splits == 1), or the balancing scratch (balanced_scratch_floats).
-// Attributes: softmax_scale (f32), q_tokens (i64 S_q, 1..4), num_splits (i64 >= 1). The query is
-// 3-D so that the decode epilogue's mqa_q [B, H, 576] (B * S_q rows) feeds it with no reshape,
-// which XLA may turn into a copy.
+// H * 513] (empty when num_splits == 1). Attributes: softmax_scale (f32), q_tokens (i64 S_q,
+// 1..4), num_splits (i64 >= 1). The query is 3-D so that the decode epilogue's mqa_q [B, H, 576]
+// (B * S_q rows) feeds it with no reshape, which XLA may turn into a copy.
 // The Python wrapper checks all of this first and explains; these checks keep a malformed direct
 // call from touching foreign memory.
 inline ffi::Error make_decode_attention(ffi::AnyBuffer q, ffi::AnyBuffer cache,
@@ -148,17 +114,16 @@ inline ffi::Error make_decode_attention(ffi::AnyBuffer q, ffi::AnyBuffer cache,
   if (lse.element_type() != T::F32 || ld.size() != 2 || ld[0] != qd[0] || ld[1] != a.heads)
     return fail("lse must be float32 [B * S_q, H]");
   if (num_splits < 1 || num_splits > 1024) return fail("num_splits must be 1..1024");
-  a.num_splits = int(num_splits);
-  if (partials.element_type() != T::F32 ||
-      !a.attach_partials(static_cast<float*>(partials.untyped_data()), int64_t(partials.element_count())))
-    return fail("partials must be float32 [num_splits * B * S_q * H * 513] (empty for one split), or the "
-                "balancing scratch");
+  const size_t want = num_splits == 1 ? 0 : size_t(num_splits * a.batch * a.rows() * kAttnRowStats);
+  if (partials.element_type() != T::F32 || partials.element_count() != want)
+    return fail("partials must be float32 [num_splits * B * S_q * H * 513] (empty for one split)");
   a.q = q.untyped_data();
   a.softmax_scale = softmax_scale;
   a.q_scale_inv = a.q_type == QType::kE4m3 ? static_cast<const float*>(q_scale_inv.untyped_data()) : nullptr;
   a.out = out.untyped_data();
   a.lse = static_cast<float*>(lse.untyped_data());
-
+  a.partials = num_splits == 1 ? nullptr : static_cast<float*>(partials.untyped_data());
+  a.num_splits = int(num_splits);
   return ffi::Error::Success();
 }
 
