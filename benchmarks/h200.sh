@@ -142,24 +142,23 @@ for s in $stages; do
         benchmarks/probes/copy_patterns.cu && stage copy-patterns "$bin/copy_patterns"
       stage gather-probe-memcheck compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 10 \
         "$bin/bulk" --check-only ;;
-    attn-probe)
-      # The decode attention kernels alone (no extension build): every JAX_KIMI_MLA_DECODE_KERNEL
-      # choice on the same inputs, each against attention_kernel, timed at B 64 x 16k and B = 1
-      # (benchmarks/probes/decode_attention.cu).
+    attn-probe|attn-phases)
+      # The decode attention kernels alone (no extension build; benchmarks/probes/decode_attention.cu).
+      # attn-probe: every JAX_KIMI_MLA_DECODE_KERNEL choice on the same inputs, each against
+      # attention_kernel, timed at B 64 x 16k and B = 1. attn-phases (-DJKM_PHASE_STAMPS, about
+      # 90 s): where the default kernels' time goes beyond streaming their tiles, each CTA's phases
+      # and how the CTAs start and end.
       inc=(-I ffi/include -I "$(python3 -c 'import jax.ffi; print(jax.ffi.include_dir())')")
       bin=$(mktemp -d)
-      nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DJKM_SM90A_BUILT "${inc[@]}" -o "$bin/attn" \
-        benchmarks/probes/decode_attention.cu 2>&1 | grep -E " error"
-      stage attn-probe "$bin/attn" ;;
-    attn-phases)
-      # Where the default decode attention kernels' time goes beyond streaming their tiles: each
-      # CTA's phases and how the CTAs start and end (-DJKM_PHASE_STAMPS; about 90 s).
-      inc=(-I ffi/include -I "$(python3 -c 'import jax.ffi; print(jax.ffi.include_dir())')")
-      bin=$(mktemp -d)
-      nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DJKM_SM90A_BUILT -DJKM_PHASE_STAMPS "${inc[@]}" \
-        -o "$bin/phases" benchmarks/probes/decode_attention.cu 2>&1 | grep -E " error"
-      stage attn-phases env PROBE_KERNELS=default "$bin/phases" ds:64:16384:12:2 ds:16:16384:12:8 ds:128:16384:12:1 \
-        bf16:64:16384:12:2 bf16:16:16384:12:8 bf16:128:4096:12:1 fp8:64:16384:12:2 fp8:16:16384:12:8 bf16:1:4096:12:64 ;;
+      if [ "$s" = attn-probe ]; then flags=() run=("$bin/attn"); else
+        flags=(-DJKM_PHASE_STAMPS)
+        run=(env PROBE_KERNELS=default "$bin/attn" ds:64:16384:12:2 ds:16:16384:12:8 ds:128:16384:12:1
+             bf16:64:16384:12:2 bf16:16:16384:12:8 bf16:128:4096:12:1 fp8:64:16384:12:2 fp8:16:16384:12:8
+             bf16:1:4096:12:64)
+      fi
+      nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DJKM_SM90A_BUILT "${flags[@]}" "${inc[@]}" \
+        -o "$bin/attn" benchmarks/probes/decode_attention.cu 2>&1 | grep -E " error"
+      stage "$s" "${run[@]}" ;;
     *) echo "unknown stage $s"; status=1 ;;
   esac
 done

@@ -57,6 +57,7 @@ __device__ __forceinline__ unsigned long long global_ns() {
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <sstream>
 #include <string>
@@ -85,6 +86,12 @@ struct Case {
 int entry_bytes(CacheFormat f) {
   return f == CacheFormat::kBf16 ? 2 * kEntry : f == CacheFormat::kFp8 ? kEntry : kDsMlaEntryBytes;
 }
+
+// The formats by the names a case gives them (bf16, fp8, ds) and the ones the output prints.
+constexpr CacheFormat kFormats[3] = {CacheFormat::kBf16, CacheFormat::kFp8, CacheFormat::kFp8DsMla};
+constexpr const char* kCaseNames[3] = {"bf16", "fp8", "ds"};
+constexpr const char* kPrintNames[3] = {"bf16", "fp8", "fp8_ds_mla"};
+const char* print_name(CacheFormat f) { return kPrintNames[f == CacheFormat::kBf16 ? 0 : f == CacheFormat::kFp8 ? 1 : 2]; }
 
 // Random non-NaN E4M3 codes; ds_mla rows with power-of-two scales and bf16 k_pe; bf16 values of
 // magnitude [0.5, 1) and random sign (a normal draw per value is slow at a gigabyte).
@@ -275,8 +282,7 @@ int run_case(const Case& k, std::mt19937& rng) {
   const double bytes = double(k.batch) * k.context * a.row_bytes;
   const double tiles_per_cta = double(max_blocks) / k.splits;
   bool agree = true;
-  const char* format_name = fp8 ? "fp8" : k.format == CacheFormat::kBf16 ? "bf16" : "fp8_ds_mla";
-  std::printf("%-10s B %d context %d H %d splits %d:", format_name, k.batch, k.context, k.heads, k.splits);
+  std::printf("%-10s B %d context %d H %d splits %d:", print_name(k.format), k.batch, k.context, k.heads, k.splits);
   for (int kernel = 0; kernel < kKernels; ++kernel) {
     double worst = 0, size = 0, lse_worst = 0;
     for (int64_t i = 0; i < out_elems; ++i) {
@@ -348,12 +354,13 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {  // format:B:context:H:splits
     char format[16] = {};
     Case k{};
-    if (std::sscanf(argv[i], "%15[^:]:%d:%d:%d:%d", format, &k.batch, &k.context, &k.heads, &k.splits) != 5) {
-      std::printf("a case is format:B:context:H:splits, not %s\n", argv[i]);
+    const int named = std::sscanf(argv[i], "%15[^:]:%d:%d:%d:%d", format, &k.batch, &k.context, &k.heads, &k.splits);
+    const auto* name = std::find_if(kCaseNames, kCaseNames + 3, [&](const char* n) { return std::strcmp(n, format) == 0; });
+    if (named != 5 || name == kCaseNames + 3) {
+      std::printf("a case is format:B:context:H:splits with format bf16, fp8 or ds, not %s\n", argv[i]);
       return 2;
     }
-    const std::string f = format;
-    k.format = f == "bf16" ? CacheFormat::kBf16 : f == "fp8" ? CacheFormat::kFp8 : CacheFormat::kFp8DsMla;
+    k.format = kFormats[name - kCaseNames];
     cases.push_back(k);
   }
   for (const Case& k : cases) status |= run_case(k, rng);
