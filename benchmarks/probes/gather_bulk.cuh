@@ -49,6 +49,36 @@ constexpr int kMainGroups = 64;            // groups 0..63 of a row: lanes l and
 constexpr int kStageBudget = 176 * 1024 / kCtasPerSm;  // the stages' share of shared memory
 constexpr int64_t kMaxSharedBytes = 227 * 1024 / kCtasPerSm;
 
+// The sequences' first output rows: first_row[b] = the clamped lengths of the sequences before b,
+// for b = 0..batch, by a block-wide prefix sum over kWarps warps (warp_sums: kWarps entries of
+// shared memory), kWarps * 32 sequences at a time. Every thread of the block calls it; it ends
+// with a barrier.
+template <int kWarps>
+__device__ void first_rows(const GatherCache& g, int64_t* first_row, int64_t* warp_sums) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int64_t carry = 0;
+  for (int64_t base = 0; base < g.batch; base += 32 * kWarps) {
+    const int64_t b = base + threadIdx.x;
+    int64_t x = b < g.batch ? g.context_len(b) : 0;
+    for (int offset = 1; offset < 32; offset *= 2) {
+      const int64_t y = __shfl_up_sync(0xFFFFFFFFu, x, offset);
+      if (lane >= offset) x += y;
+    }
+    if (lane == 31) warp_sums[warp] = x;
+    __syncthreads();
+    int64_t before = carry, total = 0;
+    for (int w = 0; w < kWarps; ++w) {
+      before += w < warp ? warp_sums[w] : 0;
+      total += warp_sums[w];
+    }
+    if (b < g.batch) first_row[b + 1] = before + x;
+    __syncthreads();
+    carry += total;
+  }
+  if (threadIdx.x == 0) first_row[0] = 0;
+  __syncthreads();
+}
+
 template <CacheFormat kFormat>
 struct BulkLayout {
   static constexpr int kEntryBytes =

@@ -10,10 +10,10 @@
 // 8 rows of 9 within 0.3%.
 //
 // Each block:
-// - scans the clamped lengths into the sequences' first output rows (shared memory, a block-wide
-//   prefix sum: few sequences in a serving step, and the loads hit L2);
-// - looks up its rows' entries, a thread a row (binary search for the sequence, then the block
-//   table);
+// - finds its rows' entries in its first warp, a lane a row (warp_row_entry: the clamped lengths
+//   scanned by shuffles, each row's sequence by a ballot, then the block table), with one barrier
+//   after it; a block-wide scan through shared memory with three barriers was 1% slower for the
+//   1-byte formats (Twentieth round) and bounded the batch by the shared memory;
 // - then each thread takes kGroupsPerThread 8-element groups of the block's rows (groups kThreads
 //   apart, so a warp's loads and stores cover whole runs of the output), issues all their loads
 //   before any conversion, and stores them.
@@ -26,7 +26,7 @@
 // takes the reference path: the CPU handler's operations one by one.
 // Masked tokens and rows past the last token are zero rows; rows past num_tokens are dropped.
 // The kernel is compiled per cache format, 16-bit cache type and output type, so the inner loop
-// has no format branches. The conversions, the prefix scan and the table of instances live in
+// has no format branches. The conversions, the row lookup and the table of instances live in
 // gather_common.cuh; benchmarks/probes/gather_cache.cu runs this kernel alone (bit for bit against
 // the CPU handler, timed against a copy) without building the extension.
 #include <cuda_runtime.h>
@@ -49,36 +49,18 @@ constexpr int kRowGroups = kEntry / 8;  // 72 groups of 8 elements a row
 constexpr int kThreads = kBlockRows * kRowGroups / kGroupsPerThread;
 static_assert(kBlockRows * kRowGroups % kGroupsPerThread == 0 && kThreads % 32 == 0 && kThreads <= 1024,
               "a block's groups are whole warps' worth");
-constexpr int64_t kMaxSharedBytes = 227 * 1024;
-
-// The entry of output row r, or null for a masked token, a row past the last token or past
-// num_tokens. `filled`: the rows that hold tokens.
-__device__ __forceinline__ const uint8_t* row_entry(const GatherCache& g, const int64_t* first_row,
-                                                    int64_t filled, int64_t r) {
-  if (r >= filled) return nullptr;
-  int64_t lo = 0, hi = g.batch - 1;  // the last sequence b with first_row[b] <= r
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (first_row[mid] <= r) lo = mid; else hi = mid - 1;
-  }
-  const int64_t cache_row = g.token_row(lo, r - first_row[lo]);
-  return cache_row >= 0 ? g.cache + cache_row * g.row_bytes : nullptr;
-}
 
 template <CacheFormat kFormat, ActType kCache16, OutType kOut>
 __global__ void __launch_bounds__(kThreads) gather_kernel(GatherCache g) {
-  extern __shared__ int64_t first_row[];  // [batch + 1]: the sequences' first output rows
-  __shared__ int64_t warp_sums[kThreads / 32];
   __shared__ const uint8_t* entries[kBlockRows];
-
-  first_rows<kThreads / 32>(g, first_row, warp_sums);
-  const int64_t filled = min(first_row[g.batch], g.num_tokens);
   const int64_t row0 = int64_t(blockIdx.x) * kBlockRows;
-  if (threadIdx.x < kBlockRows) entries[threadIdx.x] = row_entry(g, first_row, filled, row0 + threadIdx.x);
-  __syncthreads();
-
+  if (threadIdx.x < 32) {
+    const uint8_t* e = warp_row_entry<kBlockRows>(g, row0);
+    if (threadIdx.x < kBlockRows) entries[threadIdx.x] = e;
+  }
   Fp8Divisor div;
   if constexpr (kFormat == CacheFormat::kFp8) div = Fp8Divisor::of(__ldg(g.cache_scale_inv));
+  __syncthreads();
 
   Raw16 raw[kGroupsPerThread];
   float scale[kGroupsPerThread];  // ds_mla: the tile scale of a latent group
@@ -118,20 +100,10 @@ __global__ void __launch_bounds__(kThreads) gather_kernel(GatherCache g) {
 
 template <CacheFormat kFormat, ActType kCache16, OutType kOut>
 ffi::Error launch(cudaStream_t stream, const GatherCache& g) {
-  const auto cuda_error = [](cudaError_t err) {
-    return ffi::Error::Internal(std::string("jax_kimi_mla gather_mla_cache: ") + cudaGetErrorString(err));
-  };
-  const size_t shared = size_t(g.batch + 1) * sizeof(int64_t);
-  if (int64_t(shared) > kMaxSharedBytes)
-    return ffi::Error::InvalidArgument("jax_kimi_mla gather_mla_cache: too many sequences for one launch");
-  auto* kernel = gather_kernel<kFormat, kCache16, kOut>;
-  // Per device, as the attribute is; it queues no work, so a CUDA graph capture is unaffected.
-  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
-  if (err != cudaSuccess) return cuda_error(err);
   const int64_t blocks = (g.num_tokens + kBlockRows - 1) / kBlockRows;
   if (blocks > 0x7FFFFFFF)
     return ffi::Error::InvalidArgument("jax_kimi_mla gather_mla_cache: num_tokens is too large for one launch");
-  kernel<<<unsigned(blocks), kThreads, shared, stream>>>(g);
+  gather_kernel<kFormat, kCache16, kOut><<<unsigned(blocks), kThreads, 0, stream>>>(g);
   return ffi::Error::Success();
 }
 

@@ -1,7 +1,7 @@
 // What the gather_mla_cache kernels share (gather_cache_cuda.cu, and the candidates that
 // benchmarks/probes measures against it): the values, a cache group of 8 elements (16 bytes of a
 // 16-bit cache, 8 E4M3 codes) converted exactly and stored as an output group, bit for bit what
-// the CPU handler's entry_values and store_out8 give; the sequences' first output rows; and the
+// the CPU handler's entry_values and store_out8 give; the cache entry of an output row; and the
 // table of kernel instances.
 #pragma once
 
@@ -193,34 +193,40 @@ __device__ __forceinline__ void store_codes(uint8_t* dst, uint2 c, float tile_sc
 
 // ---- rows ----
 
-// The sequences' first output rows: first_row[b] = the clamped lengths of the sequences before b,
-// for b = 0..batch, by a block-wide prefix sum over kWarps warps (warp_sums: kWarps entries of
-// shared memory), kWarps * 32 sequences at a time. Every thread of the block calls it; it ends
-// with a barrier.
-template <int kWarps>
-__device__ void first_rows(const GatherCache& g, int64_t* first_row, int64_t* warp_sums) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  int64_t carry = 0;
-  for (int64_t base = 0; base < g.batch; base += 32 * kWarps) {
-    const int64_t b = base + threadIdx.x;
-    int64_t x = b < g.batch ? g.context_len(b) : 0;
+// Lane i < kRows of a warp: the cache entry of output row row0 + i, or null for a masked token, a
+// row past the last token or past num_tokens (the other lanes get null). The clamped lengths are
+// scanned 32 sequences at a time in registers: a shuffle scan gives each sequence's end row, and a
+// row's sequence is the count of sequences that end at or before it (a ballot). No shared memory
+// and no barrier, so any batch size fits. Every lane of the warp calls it.
+template <int kRows>
+__device__ __forceinline__ const uint8_t* warp_row_entry(const GatherCache& g, int64_t row0) {
+  static_assert(kRows <= 32, "a lane a row");
+  const int lane = int(threadIdx.x) % 32;
+  int64_t carry = 0, seq = -1, start = 0;  // carry: the rows of the chunks before
+  for (int64_t base = 0; base < g.batch && carry < row0 + kRows; base += 32) {
+    const int64_t b = base + lane;
+    int64_t end = b < g.batch ? g.context_len(b) : 0;
+#pragma unroll
     for (int offset = 1; offset < 32; offset *= 2) {
-      const int64_t y = __shfl_up_sync(0xFFFFFFFFu, x, offset);
-      if (lane >= offset) x += y;
+      const int64_t y = __shfl_up_sync(0xFFFFFFFFu, end, offset);
+      if (lane >= offset) end += y;
     }
-    if (lane == 31) warp_sums[warp] = x;
-    __syncthreads();
-    int64_t before = carry, total = 0;
-    for (int w = 0; w < kWarps; ++w) {
-      before += w < warp ? warp_sums[w] : 0;
-      total += warp_sums[w];
+    end += carry;
+    int before = 0;  // for lane i: this chunk's sequences that end at or before row row0 + i
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const unsigned ended = __ballot_sync(0xFFFFFFFFu, b < g.batch && end <= row0 + i);
+      if (lane == i) before = __popc(ended);
     }
-    if (b < g.batch) first_row[b + 1] = before + x;
-    __syncthreads();
-    carry += total;
+    const int64_t previous_end = __shfl_sync(0xFFFFFFFFu, end, before > 0 ? before - 1 : 0);
+    const int64_t chunk = g.batch - base < 32 ? g.batch - base : 32;
+    if (seq < 0 && before < chunk) seq = base + before, start = before > 0 ? previous_end : carry;
+    carry = __shfl_sync(0xFFFFFFFFu, end, 31);
   }
-  if (threadIdx.x == 0) first_row[0] = 0;
-  __syncthreads();
+  const int64_t row = row0 + lane;
+  if (lane >= kRows || seq < 0 || row >= g.num_tokens) return nullptr;
+  const int64_t cache_row = g.token_row(seq, row - start);
+  return cache_row >= 0 ? g.cache + cache_row * g.row_bytes : nullptr;
 }
 
 // ---- the kernel instance of a call ----
