@@ -89,7 +89,7 @@ def poisoned_run(args, kw, backend, num_tokens, out_dtype):
 LENS = (9, 0, 1, 7, 8, 40, -3)  # block size 8: bs + 1, 0, 1, bs - 1, bs, longer, negative
 
 
-@pytest.mark.parametrize("num_tokens", (None, 30, 200))
+@pytest.mark.parametrize("num_tokens", (None, 30, 200, 300))
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES)
 @pytest.mark.parametrize("fmt,cache16", FORMATS)
 def test_matches_reference(backend, fmt, cache16, out_dtype, num_tokens):
