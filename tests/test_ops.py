@@ -218,16 +218,19 @@ def test_cuda_128_heads(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_cuda_matches_cpu_handler_across_head_counts(fmt, style):
     """The kernel cuts each part of a token's lanes (the cache entry, a head row's nope or pe
-    lanes) into blocks whose size it picks per call: head counts that fill them unevenly give the
-    CPU handler's bits, the untouched cache rows included. From 33 heads a thread of prefill's
-    shared k_pe part stores its rotated chunk for several heads (130 GPT-J heads: in two blocks)."""
+    lanes) into blocks whose size it picks per call, and where a token's part is smaller than a
+    block, puts several tokens' sub-blocks in one block (up to 8: token counts that leave a
+    block's last sub-blocks empty, 6 and 37, are taken): head counts that fill them unevenly give
+    the CPU handler's bits, the untouched cache rows included. From 33 heads a thread of
+    prefill's shared k_pe part stores its rotated chunk for several heads (130 GPT-J heads: in
+    two blocks)."""
     extra = {} if style is None else {"rope_style": style}
     step = jax.jit(lambda a: invoke(jax_kimi_mla, fmt, dict(a, **extra)))
-    for heads in (2, 3, 7, 17, 33, 65, 96, 130):
-        a = make_case(Case(fmt, 6, heads, rope=style is not None, seed=heads))
+    for heads, tokens in ((2, 37), (3, 6), (7, 37), (12, 37), (17, 6), (33, 37), (65, 6), (96, 6), (130, 6)):
+        a = make_case(Case(fmt, tokens, heads, rope=style is not None, seed=heads))
         gpu, cpu = to_numpy(step(put(a, "cuda"))), to_numpy(step(put(a, "cpu")))
         for (name, _, _), g, c in zip(OUTPUTS[fmt], gpu, cpu):
-            assert_equal_nan_aware(g, c, f"{fmt} {name}, H = {heads}, {style or 'NoPE'}: CUDA vs CPU handler")
+            assert_equal_nan_aware(g, c, f"{fmt} {name}, T = {tokens}, H = {heads}, {style or 'NoPE'}: CUDA vs CPU handler")
         check_untouched_rows(gpu[-1], a["kv_cache"], a["slot_mapping"])
 
 

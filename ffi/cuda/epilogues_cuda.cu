@@ -2,11 +2,12 @@
 // lane with NeoX RoPE: two, below). A token's lanes fall into parts: the cache entry (its 64
 // latent lanes, then its pe lanes), then for each head row the nope lanes of every head and the pe
 // lanes of every head (without RoPE, the row's lanes of every head: one part). A block covers
-// lanes of one part of one token, so what kind of chunk its lanes are, where the token's rows
-// start, and whether it needs the slot or the position are block-wide: a lane only finds its head
-// and chunk (constant divisors) and adds their offsets, and only the blocks that rotate run the
-// RoPE arithmetic. The kernel is compiled per op, RoPE
-// off / GPT-J / NeoX and activation dtype. With NeoX, pe lane j (0..3) of a row owns pe chunks j
+// lanes of one part of one token, or of a few consecutive tokens where a token's part is smaller
+// than a block (a sub-block of threads per token, plan_blocks), so what kind of chunk its lanes
+// are, where the token's rows start, and whether it needs the slot or the position are the same
+// for a sub-block: a lane only finds its head and chunk (constant divisors) and adds their
+// offsets, and only the blocks that rotate run the RoPE arithmetic. The kernel is compiled per
+// op, RoPE off / GPT-J / NeoX and activation dtype. With NeoX, pe lane j (0..3) of a row owns pe chunks j
 // and j + 4 (its pairs' two halves: it loads both, then stores both, so a row rotated in place is
 // never read after another thread wrote it). Each thread owns kLanesPerThread lanes and runs in
 // two phases, all loads, then the arithmetic and stores; a pe lane loads its own slice of the
@@ -14,8 +15,8 @@
 // block-wide barrier. A thread's lanes of a pe part are one pe chunk of different heads: they
 // share one cos/sin slice, and where all heads share the pe source (prefill's k = [k_nope | k_pe])
 // one value, which the thread finishes once and stores for each (run_shared_pe_part). The 16
-// lanes of a ds_mla scale tile are one half warp (threads 0..63 of the cache part's block) and
-// reduce their amax by shuffles.
+// lanes of a ds_mla scale tile are one half warp (threads 0..63 of the cache part's sub-block,
+// whose size is a multiple of 16) and reduce their amax by shuffles.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -28,7 +29,33 @@ namespace {
 constexpr int kMaxThreads = 256;
 constexpr int kLanesPerThread = 2;  // in most parts (Parts::lanes_per_thread)
 constexpr int kSharedPeLanes = 4;   // in a part of shared pe lanes: one rotation, four stores
+constexpr int kMaxBlockTokens = 8;  // tokens a block of one part may hold (a power of two)
+constexpr int kMagicShift = 20;     // thread / threads as thread * magic >> 20: exact below 256
 constexpr int64_t kMaxGridY = 65535;
+
+// Where the blocks of one part go, chosen per call (plan_blocks). A block holds `tokens`
+// consecutive tokens' sub-blocks of `threads` threads each, and a token's lanes of the part take
+// `segments` blocks. In a token group, block i of the part is segment i >> subgroup_shift of the
+// tokens of sub-group i & (2^subgroup_shift - 1): no division on the device.
+struct PartBlocks {
+  int threads = 0, tokens = 1, segments = 0;
+  int blocks = 0;          // in a token group: segments << subgroup_shift
+  int subgroup_shift = 0;  // log2(group / tokens)
+  unsigned magic = 0;      // ceil(2^kMagicShift / threads)
+};
+
+// A grid row (blockIdx.y, z) covers a group of `group` tokens (a power of two, a multiple of
+// every part's tokens): the blocks of part 0, then part 1, ...
+template <int kParts>
+struct BlockPlan {
+  int group = 1;
+  PartBlocks parts[kParts];
+};
+
+// A token's sub-block, as one of its threads sees it.
+struct SubBlock {
+  int thread, threads;
+};
 
 // Where one lane reads and writes. dst is null when nothing is stored (a skipped slot); for a
 // ds_mla cache lane it is the entry itself.
@@ -55,16 +82,19 @@ JKM_HD constexpr int pe_lanes(int pe_chunks) {
 template <Op op, bool kRopeOn, RopeStyle kStyle>
 struct Parts {
   static constexpr int kCount = 1 + 2 * op_shape(op, kRopeOn).num_rows;
+  static constexpr CacheFormat kCacheFormat = op_shape(op, kRopeOn).cache;
   static constexpr int kCacheLanes = kLatent / kChunk + pe_lanes<kRopeOn, kStyle>(kRopeChunks);
-  // Lanes per thread: one in the cache part (its block has at least kCacheLanes threads, and the
-  // ds_mla quantization's registers are one lane's) and in a NeoX pe part (whose lanes own two
-  // chunks each already); kSharedPeLanes in a shared pe part, whose lanes of one thread are one
-  // chunk of several heads (one value). (Four lanes a thread in the other pe parts, sharing one
-  // cos/sin slice, took the GPT-J kernels from 32 to 48 registers: not tried on the GPU.)
+  // Lanes per thread: one in a ds_mla cache part (the quantization's registers are one lane's),
+  // and with NeoX RoPE in the cache part and the pe parts (whose lanes own two chunks each
+  // already; two such lanes in the cache part took the kernels from 48-75 to 64-99 registers);
+  // kSharedPeLanes in a shared pe part, whose lanes of one thread are one chunk of several heads
+  // (one value). (Four lanes a thread in the other pe parts, sharing one cos/sin slice, took the
+  // GPT-J kernels from 32 to 48 registers: not tried on the GPU.)
   static JKM_HD constexpr int lanes_per_thread(int p) {
     if (p > 0 && shared_pe(p)) return kSharedPeLanes;
-    const bool neox_pe = kRopeOn && kStyle == RopeStyle::kNeox && p > 0 && pe_only(p);
-    return p == 0 || neox_pe ? 1 : kLanesPerThread;
+    constexpr bool kNeox = kRopeOn && kStyle == RopeStyle::kNeox;
+    if (p == 0) return kCacheFormat == CacheFormat::kFp8DsMla || kNeox ? 1 : kLanesPerThread;
+    return kNeox && pe_only(p) ? 1 : kLanesPerThread;
   }
   // Whether head-row part p (p >= 1) holds pe lanes only.
   static JKM_HD constexpr bool pe_only(int p) { return (p - 1) % 2 == 1; }
@@ -80,11 +110,10 @@ struct Parts {
     return pe_only(p) ? pe_lanes<kRopeOn, kStyle>(r.pe_chunks) : r.nope_chunks;
   }
   static JKM_HD constexpr int64_t lanes(int p, int64_t heads) { return p == 0 ? kCacheLanes : heads * per_head(p); }
-  static JKM_HD constexpr int64_t blocks(int p, int64_t heads, int64_t threads) {
-    const int64_t block_lanes = threads * lanes_per_thread(p);
-    return (lanes(p, heads) + block_lanes - 1) / block_lanes;
-  }
 };
+
+template <Op op, bool kRopeOn, RopeStyle kStyle>
+using OpBlockPlan = BlockPlan<Parts<op, kRopeOn, kStyle>::kCount>;
 
 // NeoX RoPE: pe lane j takes pe chunk j + 4 too (a row's pe chunks are contiguous in its source
 // and in its output: `byte_dst` says whether the output holds 1-byte elements).
@@ -139,15 +168,16 @@ __device__ __forceinline__ Lane locate_in_head_row(const Epilogue& e, int64_t t,
   return l;
 }
 
-// A shared pe part (Parts::shared_pe): thread i's lanes i, i + blockDim.x, ... are one chunk j
-// (blockDim.x is a multiple of the per-head lane count) of several heads, so it loads, rotates and
-// quantizes that chunk once and stores it for each head.
+// A shared pe part (Parts::shared_pe): thread i's lanes i, i + threads, ... are one chunk j
+// (threads, the sub-block's size, is a multiple of the per-head lane count) of several heads, so it
+// loads, rotates and quantizes that chunk once and stores it for each head.
 template <Op op, bool kRopeOn, RopeStyle kStyle, ActType kAct, int p>
-__device__ __forceinline__ void run_shared_pe_part(const Epilogue& e, int64_t t, int seg, int part_lanes) {
+__device__ __forceinline__ void run_shared_pe_part(const Epilogue& e, int64_t t, int seg, SubBlock sb,
+                                                   int part_lanes) {
   constexpr RowShape shape = op_shape(op, kRopeOn).rows[(p - 1) / 2];
   constexpr int kLanes = Parts<op, kRopeOn, kStyle>::lanes_per_thread(p);
   constexpr bool kNeox = kStyle == RopeStyle::kNeox;
-  const int first = seg * int(blockDim.x) * kLanes + int(threadIdx.x);
+  const int first = seg * sb.threads * kLanes + sb.thread;
   if (first >= part_lanes) return;
   const Lane l = locate_in_head_row<op, kRopeOn, kStyle, p>(e, t, first);
   const Raw16 raw = load16(l.src);
@@ -164,7 +194,7 @@ __device__ __forceinline__ void run_shared_pe_part(const Epilogue& e, int64_t t,
                                                shape.fp8, mult);
 #pragma unroll 1
     for (int k = 0; k < kLanes; ++k) {
-      const int lane = first + k * int(blockDim.x);
+      const int lane = first + k * sb.threads;
       if (lane >= part_lanes) break;
       const Lane lk = locate_in_head_row<op, kRopeOn, kStyle, p>(e, t, lane);
       store_chunk(half == 0 ? lk.dst : lk.partner_dst, out, shape.fp8);
@@ -172,12 +202,12 @@ __device__ __forceinline__ void run_shared_pe_part(const Epilogue& e, int64_t t,
   }
 }
 
-// Part p's lanes [seg * blockDim.x * lanes_per_thread(p), ...) of token t; thread i takes lanes
-// i, i + blockDim.x, ... of that range.
+// Part p's lanes [seg * sb.threads * lanes_per_thread(p), ...) of token t, by a sub-block of
+// sb.threads threads: its thread i takes lanes i, i + sb.threads, ... of that range.
 template <Op op, bool kRopeOn, RopeStyle kStyle, ActType kAct, int p>
-__device__ __forceinline__ void run_part(const Epilogue& e, int64_t t, int seg, int part_lanes) {
+__device__ __forceinline__ void run_part(const Epilogue& e, int64_t t, int seg, SubBlock sb, int part_lanes) {
   if constexpr (p > 0 && Parts<op, kRopeOn, kStyle>::shared_pe(p))
-    return run_shared_pe_part<op, kRopeOn, kStyle, kAct, p>(e, t, seg, part_lanes);
+    return run_shared_pe_part<op, kRopeOn, kStyle, kAct, p>(e, t, seg, sb, part_lanes);
   constexpr OpShape shape = op_shape(op, kRopeOn);
   constexpr bool kCachePart = p == 0;
   constexpr bool kDsMla = kCachePart && shape.cache == CacheFormat::kFp8DsMla;
@@ -188,14 +218,14 @@ __device__ __forceinline__ void run_part(const Epilogue& e, int64_t t, int seg, 
   // the position when a lane rotates.
   constexpr int kLanes = Parts<op, kRopeOn, kStyle>::lanes_per_thread(p);
   const int64_t slot_row = kCachePart ? e.cache_row(t) : -1;
-  const int first = seg * int(blockDim.x) * kLanes + int(threadIdx.x);
+  const int first = seg * sb.threads * kLanes + sb.thread;
   Lane lanes[kLanes];
   Raw16 raw[kLanes];
   Raw16 partner[kLanes];  // NeoX only
   bool rotates = false;
 #pragma unroll
   for (int k = 0; k < kLanes; ++k) {
-    const int lane = first + k * int(blockDim.x);
+    const int lane = first + k * sb.threads;
     if (lane >= part_lanes) continue;
     if constexpr (kCachePart)
       lanes[k] = locate_in_cache<op, kRopeOn, kStyle>(e, t, slot_row, lane);
@@ -211,7 +241,7 @@ __device__ __forceinline__ void run_part(const Epilogue& e, int64_t t, int seg, 
 
   // Phase 2: arithmetic and stores, a pe lane's slice of the cos/sin row loaded first (loaded
   // in phase 1, the slices of two lanes would hold registers that cost occupancy). In a pe part
-  // a thread's lanes are one pe chunk of different heads (blockDim.x is a multiple of the lanes
+  // a thread's lanes are one pe chunk of different heads (`threads` is a multiple of the lanes
   // per head): one slice serves them all.
   constexpr bool kOneSlice = kRopeOn && !kCachePart && Parts<op, kRopeOn, kStyle>::pe_only(p);
   RopeSlice slice;
@@ -234,7 +264,7 @@ __device__ __forceinline__ void run_part(const Epilogue& e, int64_t t, int seg, 
         }
         continue;
       }
-      // Latent lanes 0..63 are threads 0..63: whole half warps.
+      // Latent lanes 0..63 are the sub-block's threads 0..63: whole half warps.
       float v[kChunk];
       widen8(kAct, raw[k], v);
       float amax = 0.0f;
@@ -259,54 +289,110 @@ __device__ __forceinline__ void run_part(const Epilogue& e, int64_t t, int seg, 
   }
 }
 
-// Block x of token t's blocks (the parts in order, each in blocks of blockDim.x *
-// lanes_per_thread(p) lanes): the part it covers, found in block-wide arithmetic, then that
-// part's code.
+// Block x of a token group's blocks (the parts in order, BlockPlan): the part it covers and its
+// place there, found in block-wide arithmetic, then, for each thread, its token's sub-block and
+// that part's code.
 template <Op op, bool kRopeOn, RopeStyle kStyle, ActType kAct, int p = 0>
-__device__ __forceinline__ void dispatch_part(const Epilogue& e, int64_t t, int block) {
+__device__ __forceinline__ void dispatch_part(const Epilogue& e, const OpBlockPlan<op, kRopeOn, kStyle>& plan,
+                                              int64_t group_start, int block) {
   using P = Parts<op, kRopeOn, kStyle>;
   if constexpr (p > 0 && p < P::kCount && P::per_head(p) == 0) {  // an empty part
-    dispatch_part<op, kRopeOn, kStyle, kAct, p + 1>(e, t, block);
+    dispatch_part<op, kRopeOn, kStyle, kAct, p + 1>(e, plan, group_start, block);
   } else if constexpr (p < P::kCount) {
-    const int64_t blocks = P::blocks(p, e.heads, blockDim.x);
-    if (block >= blocks) return dispatch_part<op, kRopeOn, kStyle, kAct, p + 1>(e, t, int(block - blocks));
-    run_part<op, kRopeOn, kStyle, kAct, p>(e, t, block, int(P::lanes(p, e.heads)));
+    const PartBlocks& part = plan.parts[p];
+    if (block >= part.blocks)
+      return dispatch_part<op, kRopeOn, kStyle, kAct, p + 1>(e, plan, group_start, block - part.blocks);
+    const int sub = part.tokens == 1 ? 0 : int((threadIdx.x * part.magic) >> kMagicShift);
+    if (sub >= part.tokens) return;  // threads past the block's sub-blocks
+    const int64_t t = group_start + (block & ((1 << part.subgroup_shift) - 1)) * part.tokens + sub;
+    if (t >= e.tokens) return;
+    const SubBlock sb{int(threadIdx.x) - sub * part.threads, part.threads};
+    run_part<op, kRopeOn, kStyle, kAct, p>(e, t, block >> part.subgroup_shift, sb, int(P::lanes(p, e.heads)));
   }
 }
 
-// Block (x, y, z): block x of token y + z * gridDim.y.
+// Block (x, y, z): block x of token group y + z * gridDim.y.
 template <Op op, bool kRopeOn, RopeStyle kStyle, ActType kAct>
-__global__ void __launch_bounds__(kMaxThreads) epilogue_kernel(const Epilogue e) {
-  const int64_t t = int64_t(blockIdx.z) * gridDim.y + blockIdx.y;
-  if (t >= e.tokens) return;
-  dispatch_part<op, kRopeOn, kStyle, kAct>(e, t, int(blockIdx.x));
+__global__ void __launch_bounds__(kMaxThreads)
+    epilogue_kernel(const Epilogue e, const OpBlockPlan<op, kRopeOn, kStyle> plan) {
+  const int64_t group_start = (int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * plan.group;
+  if (group_start >= e.tokens) return;
+  dispatch_part<op, kRopeOn, kStyle, kAct>(e, plan, group_start, int(blockIdx.x));
 }
 
 ffi::Error cuda_error(const char* what, cudaError_t err) {
   return ffi::Error::Internal(std::string("jax_kimi_mla: ") + what + ": " + cudaGetErrorString(err));
 }
 
+// The block size and each part's sub-blocks, for `heads` heads and `tokens` tokens on a GPU of
+// `sm_count` SMs (H200, benchmarks/RESULTS.md, round of 2026-12-04):
+// - A call whose lanes fit in about one wave is a chain of latencies: a block takes one token's
+//   lanes (tokens that share a block would only share its slowest chain).
+// - A larger call streams: where a token's part is smaller than a block, a block holds several
+//   tokens' sub-blocks (a power of two, up to kMaxBlockTokens), so that few threads idle (at 12
+//   heads a token's parts are 24-144 threads' worth, and a block per token left a third idle).
+// Each candidate block size (whole warps, from kMaxThreads down) gives each part the shape whose
+// blocks leave the fewest lanes idle, each block also costing kBlockCost lanes (so that a part is
+// not cut into needlessly small blocks); the size with the fewest idle lanes a token wins. A
+// sub-block of the cache part holds the whole entry, and a ds_mla entry's 64 latent lanes are its
+// threads 0..63 (whole half warps: its size is a multiple of 16); one of a pe part whose thread's
+// lanes share a cos/sin slice or a value is a multiple of the per-head lane count.
+template <Op op, bool kRopeOn, RopeStyle kStyle>
+int plan_blocks(int64_t heads, int64_t tokens, int sm_count, OpBlockPlan<op, kRopeOn, kStyle>& plan) {
+  using P = Parts<op, kRopeOn, kStyle>;
+  constexpr int64_t kBlockCost = 64;
+  constexpr int64_t kWaveLanes = 1024;  // a wave's lanes an SM: half its 2048 threads
+  int64_t token_lanes = 0;
+  for (int p = 0; p < P::kCount; ++p) token_lanes += P::lanes(p, heads);
+  const bool streams = tokens * token_lanes > kWaveLanes * sm_count;
+  int best_threads = kMaxThreads;
+  int64_t best = INT64_MAX;
+  for (int n = kMaxThreads; n >= (P::kCacheLanes + 31) / 32 * 32; n -= 32) {
+    OpBlockPlan<op, kRopeOn, kStyle> candidate;
+    int64_t cost = 0;  // in 1/kMaxBlockTokens lanes a token
+    for (int p = 0; p < P::kCount; ++p) {
+      const int64_t lanes = P::lanes(p, heads);
+      const int per_thread = P::lanes_per_thread(p);
+      PartBlocks& part = candidate.parts[p];
+      part = {n, 1, 0};
+      if (lanes == 0) continue;
+      const int align = p == 0 ? 16 : P::pe_only(p) && kRopeOn ? int(P::per_head(p)) : 1;
+      int64_t part_cost = INT64_MAX;
+      for (int block_tokens = 1; block_tokens <= (streams ? kMaxBlockTokens : 1); block_tokens *= 2) {
+        const int threads = n / block_tokens;
+        if (threads % align != 0 || (p == 0 && threads * per_thread < P::kCacheLanes)) break;
+        if (block_tokens > 1 && lanes > threads * per_thread) break;
+        const int64_t segments = (lanes + threads * per_thread - 1) / (threads * per_thread);
+        const int64_t c = segments * (n * per_thread + kBlockCost) * (kMaxBlockTokens / block_tokens) -
+                          lanes * kMaxBlockTokens;
+        if (c < part_cost) part_cost = c, part = {threads, block_tokens, int(segments)};
+      }
+      cost += part_cost;
+    }
+    if (cost < best) best = cost, best_threads = n, plan = candidate;
+  }
+  for (const PartBlocks& part : plan.parts) plan.group = std::max(plan.group, part.tokens);
+  for (PartBlocks& part : plan.parts) {
+    while ((part.tokens << part.subgroup_shift) < plan.group) ++part.subgroup_shift;
+    part.blocks = part.segments << part.subgroup_shift;
+    part.magic = ((1u << kMagicShift) + part.threads - 1) / part.threads;
+  }
+  return best_threads;
+}
+
 template <Op op, bool kRopeOn, RopeStyle kStyle, ActType kAct>
 ffi::Error launch(cudaStream_t stream, const Epilogue& e) {
-  using P = Parts<op, kRopeOn, kStyle>;
-  // Threads per block: whole warps, at least the cache part's lanes (the cache entry is one
-  // block; a ds_mla entry's 64 latent lanes are its threads 0..63), and of those the count whose
-  // blocks leave the fewest lanes idle, each block also costing kBlockCost lanes (so that a part
-  // is not cut into needlessly small blocks).
-  constexpr int64_t kBlockCost = 64;
-  int threads = kMaxThreads;
-  int64_t blocks = 0, best = INT64_MAX;
-  for (int n = kMaxThreads; n >= (P::kCacheLanes + 31) / 32 * 32; n -= 32) {
-    int64_t count = 0, cost = 0;
-    for (int p = 0; p < P::kCount; ++p) {
-      const int64_t b = P::blocks(p, e.heads, n);
-      count += b;
-      cost += b * (n * P::lanes_per_thread(p) + kBlockCost) - P::lanes(p, e.heads);
-    }
-    if (cost < best) best = cost, threads = n, blocks = count;
-  }
-  const int64_t grid_y = std::min(e.tokens, kMaxGridY);
-  const int64_t grid_z = (e.tokens + grid_y - 1) / grid_y;
+  int device = 0, sm_count = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return cuda_error("reading the GPU's SM count", cudaGetLastError());
+  OpBlockPlan<op, kRopeOn, kStyle> plan;
+  const int threads = plan_blocks<op, kRopeOn, kStyle>(e.heads, e.tokens, sm_count, plan);
+  int64_t blocks = 0;
+  for (const PartBlocks& part : plan.parts) blocks += part.blocks;
+  const int64_t groups = (e.tokens + plan.group - 1) / plan.group;
+  const int64_t grid_y = std::min(groups, kMaxGridY);
+  const int64_t grid_z = (groups + grid_y - 1) / grid_y;
   bool too_large = e.heads * kEntry > INT32_MAX || blocks > INT32_MAX || grid_z > kMaxGridY;
   for (int r = 0; r < e.num_head_rows; ++r) {  // TokenOffset is 32-bit on the GPU
     const RowSpec& spec = e.head_rows[r];
@@ -318,7 +404,7 @@ ffi::Error launch(cudaStream_t stream, const Epilogue& e) {
   if (reinterpret_cast<uintptr_t>(e.cos_sin) % 16 != 0)  // read as float4 rows
     return ffi::Error::InvalidArgument("jax_kimi_mla: cos_sin_cache is not 16-byte aligned");
   epilogue_kernel<op, kRopeOn, kStyle, kAct>
-      <<<dim3(unsigned(blocks), unsigned(grid_y), unsigned(grid_z)), threads, 0, stream>>>(e);
+      <<<dim3(unsigned(blocks), unsigned(grid_y), unsigned(grid_z)), threads, 0, stream>>>(e, plan);
   return ffi::Error::Success();
 }
 
