@@ -31,7 +31,6 @@
 // the CPU handler, timed against a copy) without building the extension.
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <string>
 
 #include "gather_common.cuh"
