@@ -129,20 +129,27 @@ __device__ __forceinline__ void locate_partner(Lane& l, bool byte_dst) {
   }
 }
 
-// Lane `lane` of the cache part of token t (slot_row: its cache row, or -1).
+// Lane `lane` of the cache part of token t: where it reads. Where it writes follows from the
+// token's slot (place_in_cache), looked up after the lane's loads are issued.
 template <Op op, bool kRopeOn, RopeStyle kStyle>
-__device__ __forceinline__ Lane locate_in_cache(const Epilogue& e, int64_t t, int64_t slot_row, int lane) {
-  constexpr CacheFormat kCache = op_shape(op, kRopeOn).cache;
+__device__ __forceinline__ Lane locate_in_cache(const Epilogue& e, int64_t t, int lane) {
   Lane l;
   l.chunk = lane;
   l.src = chunk_src(e.cache, t, 0, lane);
   l.pe = lane - kLatent / kChunk;
-  if (slot_row >= 0)
-    l.dst = kCache == CacheFormat::kFp8DsMla ? static_cast<void*>(ds_mla_entry(e, slot_row))
-                                             : chunk_dst(e.cache, slot_row, 0, lane);
+  locate_partner<kRopeOn, kStyle>(l, false);  // the second pe chunk's source
+  return l;
+}
+
+// Cache lane l of the entry at row slot_row (or -1: nothing is stored): where it writes.
+template <Op op, bool kRopeOn, RopeStyle kStyle>
+__device__ __forceinline__ void place_in_cache(const Epilogue& e, int64_t slot_row, Lane& l) {
+  constexpr CacheFormat kCache = op_shape(op, kRopeOn).cache;
+  if (slot_row < 0) return;
+  l.dst = kCache == CacheFormat::kFp8DsMla ? static_cast<void*>(ds_mla_entry(e, slot_row))
+                                           : chunk_dst(e.cache, slot_row, 0, l.chunk);
   // A ds_mla lane's dst is its entry: the second pe chunk's place follows from it.
   locate_partner<kRopeOn, kStyle>(l, kCache == CacheFormat::kFp8);
-  return l;
 }
 
 // Lane `lane` of head-row part p of token t: head lane / per_head, and its chunk.
@@ -214,10 +221,9 @@ __device__ __forceinline__ void run_part(const Epilogue& e, int64_t t, int seg, 
   // Whether the part's rows are stored as E4M3 (plain fp8), then with which scale.
   constexpr bool kFp8 = kCachePart ? shape.cache == CacheFormat::kFp8 : shape.rows[(p - 1) / 2].fp8;
   const float* scale_inv = kCachePart ? e.cache.scale_inv : e.head_rows[(p - 1) / 2].scale_inv;
-  // Phase 1: every load: the slot (cache part) alongside the inputs it addresses, the scale, and
-  // the position when a lane rotates.
+  // Phase 1: every load: the inputs, then the slot (cache part), the scale, and the position when
+  // a lane rotates.
   constexpr int kLanes = Parts<op, kRopeOn, kStyle>::lanes_per_thread(p);
-  const int64_t slot_row = kCachePart ? e.cache_row(t) : -1;
   const int first = seg * sb.threads * kLanes + sb.thread;
   Lane lanes[kLanes];
   Raw16 raw[kLanes];
@@ -228,13 +234,21 @@ __device__ __forceinline__ void run_part(const Epilogue& e, int64_t t, int seg, 
     const int lane = first + k * sb.threads;
     if (lane >= part_lanes) continue;
     if constexpr (kCachePart)
-      lanes[k] = locate_in_cache<op, kRopeOn, kStyle>(e, t, slot_row, lane);
+      lanes[k] = locate_in_cache<op, kRopeOn, kStyle>(e, t, lane);
     else
       lanes[k] = locate_in_head_row<op, kRopeOn, kStyle, p>(e, t, lane);
     raw[k] = load16(lanes[k].src);
     if constexpr (kRopeOn && kStyle == RopeStyle::kNeox)
       if (lanes[k].partner != nullptr) partner[k] = load16(lanes[k].partner);
     rotates |= kRopeOn && lanes[k].pe >= 0;
+  }
+  if constexpr (kCachePart) {
+    // After the lanes' loads, so that the slot's latency overlaps theirs (with the slot first, the
+    // compiler made the two-lane kernels' loads wait for it).
+    const int64_t slot_row = e.cache_row(t);
+#pragma unroll
+    for (int k = 0; k < kLanes; ++k)
+      if (lanes[k].src != nullptr) place_in_cache<op, kRopeOn, kStyle>(e, slot_row, lanes[k]);
   }
   const float mult = kFp8 && lanes[0].src != nullptr ? __ldg(scale_inv) : 0.0f;
   const float* rope_row = rotates ? e.rope_row(t) : nullptr;
