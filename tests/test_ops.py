@@ -218,15 +218,17 @@ def test_cuda_128_heads(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_cuda_matches_cpu_handler_across_head_counts(fmt, style):
     """The kernel cuts each part of a token's lanes (the cache entry, a head row's nope or pe
-    lanes) into blocks whose size it picks per call, and where a token's part is smaller than a
-    block, puts several tokens' sub-blocks in one block (up to 8: token counts that leave a
-    block's last sub-blocks empty, 6 and 37, are taken): head counts that fill them unevenly give
-    the CPU handler's bits, the untouched cache rows included. From 33 heads a thread of
-    prefill's shared k_pe part stores its rotated chunk for several heads (130 GPT-J heads: in
-    two blocks)."""
+    lanes) into blocks whose size it picks per call: head counts that fill them unevenly give the
+    CPU handler's bits, the untouched cache rows included. A call of more than about one wave of
+    lanes (1024 an SM: the last two cases, on any GPU of up to about 250 SMs) streams: where a
+    token's part is smaller than a block, a block holds several tokens' sub-blocks (up to 8; 1029
+    and 3001 tokens leave a block's last sub-blocks empty), and a thread of an fp8 nope row takes
+    four lanes. From 33 heads a thread of prefill's shared k_pe part stores its rotated chunk for
+    several heads (130 GPT-J heads: in two blocks)."""
     extra = {} if style is None else {"rope_style": style}
     step = jax.jit(lambda a: invoke(jax_kimi_mla, fmt, dict(a, **extra)))
-    for heads, tokens in ((2, 37), (3, 6), (7, 37), (12, 37), (17, 6), (33, 37), (65, 6), (96, 6), (130, 6)):
+    cases = ((2, 37), (3, 6), (7, 37), (12, 37), (17, 6), (33, 37), (65, 6), (96, 6), (130, 6), (12, 1029), (5, 3001))
+    for heads, tokens in cases:
         a = make_case(Case(fmt, tokens, heads, rope=style is not None, seed=heads))
         gpu, cpu = to_numpy(step(put(a, "cuda"))), to_numpy(step(put(a, "cpu")))
         for (name, _, _), g, c in zip(OUTPUTS[fmt], gpu, cpu):

@@ -28,6 +28,7 @@ namespace {
 
 constexpr int kMaxThreads = 256;
 constexpr int kLanesPerThread = 2;  // in most parts (Parts::lanes_per_thread)
+constexpr int kStreamRowLanes = 4;  // in the fp8 nope / whole-row parts of a call that streams
 constexpr int kSharedPeLanes = 4;   // in a part of shared pe lanes: one rotation, four stores
 constexpr int kMaxBlockTokens = 8;  // tokens a block of one part may hold (a power of two)
 constexpr int kMagicShift = 20;     // thread / threads as thread * magic >> 20: exact below 256
@@ -88,13 +89,23 @@ struct Parts {
   // and with NeoX RoPE in the cache part and the pe parts (whose lanes own two chunks each
   // already; two such lanes in the cache part took the kernels from 48-75 to 64-99 registers);
   // kSharedPeLanes in a shared pe part, whose lanes of one thread are one chunk of several heads
-  // (one value). (Four lanes a thread in the other pe parts, sharing one cos/sin slice, took the
-  // GPT-J kernels from 32 to 48 registers: not tried on the GPU.)
-  static JKM_HD constexpr int lanes_per_thread(int p) {
+  // (one value); row_lanes in a nope or whole-row part (kLanesPerThread, or kStreamRowLanes:
+  // stream_row_lanes). (Four lanes a thread in the other pe parts too, sharing one cos/sin slice,
+  // were slower on the H200: H = 12 fp8_ds_mla RoPE prefill 85% -> 80% of the copy ceiling.)
+  static JKM_HD constexpr int lanes_per_thread(int p, int row_lanes) {
     if (p > 0 && shared_pe(p)) return kSharedPeLanes;
     constexpr bool kNeox = kRopeOn && kStyle == RopeStyle::kNeox;
     if (p == 0) return kCacheFormat == CacheFormat::kFp8DsMla || kNeox ? 1 : kLanesPerThread;
-    return kNeox && pe_only(p) ? 1 : kLanesPerThread;
+    if (pe_only(p)) return kNeox ? 1 : kLanesPerThread;
+    return row_lanes;
+  }
+  // The lanes a thread of a nope or whole-row part takes in a call that streams (plan_blocks):
+  // four where the rows are stored as E4M3, whose 8-byte stores left a two-lane thread few bytes
+  // in flight (H200, benchmarks/RESULTS.md, round of 2026-12-04 evening: H = 12 fp8 RoPE prefill
+  // 90% -> 95% of the copy ceiling). The 16-bit rows gained nothing, and calls of one wave or
+  // less lost: B = 1 decode took 1.31 -> 1.57 us with half the blocks.
+  static constexpr int stream_row_lanes() {
+    return op_shape(op, kRopeOn).rows[0].fp8 ? kStreamRowLanes : kLanesPerThread;
   }
   // Whether head-row part p (p >= 1) holds pe lanes only.
   static JKM_HD constexpr bool pe_only(int p) { return (p - 1) % 2 == 1; }
@@ -182,7 +193,7 @@ template <Op op, bool kRopeOn, RopeStyle kStyle, ActType kAct, int p>
 __device__ __forceinline__ void run_shared_pe_part(const Epilogue& e, int64_t t, int seg, SubBlock sb,
                                                    int part_lanes) {
   constexpr RowShape shape = op_shape(op, kRopeOn).rows[(p - 1) / 2];
-  constexpr int kLanes = Parts<op, kRopeOn, kStyle>::lanes_per_thread(p);
+  constexpr int kLanes = kSharedPeLanes;
   constexpr bool kNeox = kStyle == RopeStyle::kNeox;
   const int first = seg * sb.threads * kLanes + sb.thread;
   if (first >= part_lanes) return;
@@ -211,7 +222,7 @@ __device__ __forceinline__ void run_shared_pe_part(const Epilogue& e, int64_t t,
 
 // Part p's lanes [seg * sb.threads * lanes_per_thread(p), ...) of token t, by a sub-block of
 // sb.threads threads: its thread i takes lanes i, i + sb.threads, ... of that range.
-template <Op op, bool kRopeOn, RopeStyle kStyle, ActType kAct, int p>
+template <Op op, bool kRopeOn, RopeStyle kStyle, ActType kAct, int kRowLanes, int p>
 __device__ __forceinline__ void run_part(const Epilogue& e, int64_t t, int seg, SubBlock sb, int part_lanes) {
   if constexpr (p > 0 && Parts<op, kRopeOn, kStyle>::shared_pe(p))
     return run_shared_pe_part<op, kRopeOn, kStyle, kAct, p>(e, t, seg, sb, part_lanes);
@@ -223,7 +234,7 @@ __device__ __forceinline__ void run_part(const Epilogue& e, int64_t t, int seg, 
   const float* scale_inv = kCachePart ? e.cache.scale_inv : e.head_rows[(p - 1) / 2].scale_inv;
   // Phase 1: every load: the inputs, then the slot (cache part), the scale, and the position when
   // a lane rotates.
-  constexpr int kLanes = Parts<op, kRopeOn, kStyle>::lanes_per_thread(p);
+  constexpr int kLanes = Parts<op, kRopeOn, kStyle>::lanes_per_thread(p, kRowLanes);
   const int first = seg * sb.threads * kLanes + sb.thread;
   Lane lanes[kLanes];
   Raw16 raw[kLanes];
@@ -306,40 +317,54 @@ __device__ __forceinline__ void run_part(const Epilogue& e, int64_t t, int seg, 
 // Block x of a token group's blocks (the parts in order, BlockPlan): the part it covers and its
 // place there, found in block-wide arithmetic, then, for each thread, its token's sub-block and
 // that part's code.
-template <Op op, bool kRopeOn, RopeStyle kStyle, ActType kAct, int p = 0>
+template <Op op, bool kRopeOn, RopeStyle kStyle, ActType kAct, int kRowLanes, int p = 0>
 __device__ __forceinline__ void dispatch_part(const Epilogue& e, const OpBlockPlan<op, kRopeOn, kStyle>& plan,
                                               int64_t group_start, int block) {
   using P = Parts<op, kRopeOn, kStyle>;
   if constexpr (p > 0 && p < P::kCount && P::per_head(p) == 0) {  // an empty part
-    dispatch_part<op, kRopeOn, kStyle, kAct, p + 1>(e, plan, group_start, block);
+    dispatch_part<op, kRopeOn, kStyle, kAct, kRowLanes, p + 1>(e, plan, group_start, block);
   } else if constexpr (p < P::kCount) {
     const PartBlocks& part = plan.parts[p];
     if (block >= part.blocks)
-      return dispatch_part<op, kRopeOn, kStyle, kAct, p + 1>(e, plan, group_start, block - part.blocks);
+      return dispatch_part<op, kRopeOn, kStyle, kAct, kRowLanes, p + 1>(e, plan, group_start,
+                                                                        block - part.blocks);
     const int sub = part.tokens == 1 ? 0 : int((threadIdx.x * part.magic) >> kMagicShift);
     if (sub >= part.tokens) return;  // threads past the block's sub-blocks
     const int64_t t = group_start + (block & ((1 << part.subgroup_shift) - 1)) * part.tokens + sub;
     if (t >= e.tokens) return;
     const SubBlock sb{int(threadIdx.x) - sub * part.threads, part.threads};
-    run_part<op, kRopeOn, kStyle, kAct, p>(e, t, block >> part.subgroup_shift, sb, int(P::lanes(p, e.heads)));
+    run_part<op, kRopeOn, kStyle, kAct, kRowLanes, p>(e, t, block >> part.subgroup_shift, sb,
+                                                      int(P::lanes(p, e.heads)));
   }
 }
 
-// Block (x, y, z): block x of token group y + z * gridDim.y.
-template <Op op, bool kRopeOn, RopeStyle kStyle, ActType kAct>
+// Block (x, y, z): block x of token group y + z * gridDim.y; kRowLanes lanes a thread in the nope
+// and whole-row parts.
+template <Op op, bool kRopeOn, RopeStyle kStyle, ActType kAct, int kRowLanes>
 __global__ void __launch_bounds__(kMaxThreads)
     epilogue_kernel(const Epilogue e, const OpBlockPlan<op, kRopeOn, kStyle> plan) {
   const int64_t group_start = (int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * plan.group;
   if (group_start >= e.tokens) return;
-  dispatch_part<op, kRopeOn, kStyle, kAct>(e, plan, group_start, int(blockIdx.x));
+  dispatch_part<op, kRopeOn, kStyle, kAct, kRowLanes>(e, plan, group_start, int(blockIdx.x));
 }
 
 ffi::Error cuda_error(const char* what, cudaError_t err) {
   return ffi::Error::Internal(std::string("jax_kimi_mla: ") + what + ": " + cudaGetErrorString(err));
 }
 
-// The block size and each part's sub-blocks, for `heads` heads and `tokens` tokens on a GPU of
-// `sm_count` SMs (H200, benchmarks/RESULTS.md, round of 2026-12-04):
+// Whether a call of `tokens` tokens and `heads` heads has more lanes than about one wave of a GPU
+// of `sm_count` SMs: then its blocks stream (plan_blocks, Parts::stream_row_lanes).
+template <Op op, bool kRopeOn, RopeStyle kStyle>
+bool call_streams(int64_t heads, int64_t tokens, int sm_count) {
+  using P = Parts<op, kRopeOn, kStyle>;
+  constexpr int64_t kWaveLanes = 1024;  // a wave's lanes an SM: half its 2048 threads
+  int64_t token_lanes = 0;
+  for (int p = 0; p < P::kCount; ++p) token_lanes += P::lanes(p, heads);
+  return tokens * token_lanes > kWaveLanes * sm_count;
+}
+
+// The block size and each part's sub-blocks, for `heads` heads, a thread taking `row_lanes` lanes
+// of a nope or whole-row part (H200, benchmarks/RESULTS.md, round of 2026-12-04):
 // - A call whose lanes fit in about one wave is a chain of latencies: a block takes one token's
 //   lanes (tokens that share a block would only share its slowest chain).
 // - A larger call streams: where a token's part is smaller than a block, a block holds several
@@ -352,13 +377,9 @@ ffi::Error cuda_error(const char* what, cudaError_t err) {
 // threads 0..63 (whole half warps: its size is a multiple of 16); one of a pe part whose thread's
 // lanes share a cos/sin slice or a value is a multiple of the per-head lane count.
 template <Op op, bool kRopeOn, RopeStyle kStyle>
-int plan_blocks(int64_t heads, int64_t tokens, int sm_count, OpBlockPlan<op, kRopeOn, kStyle>& plan) {
+int plan_blocks(int64_t heads, bool streams, int row_lanes, OpBlockPlan<op, kRopeOn, kStyle>& plan) {
   using P = Parts<op, kRopeOn, kStyle>;
   constexpr int64_t kBlockCost = 64;
-  constexpr int64_t kWaveLanes = 1024;  // a wave's lanes an SM: half its 2048 threads
-  int64_t token_lanes = 0;
-  for (int p = 0; p < P::kCount; ++p) token_lanes += P::lanes(p, heads);
-  const bool streams = tokens * token_lanes > kWaveLanes * sm_count;
   int best_threads = kMaxThreads;
   int64_t best = INT64_MAX;
   for (int n = kMaxThreads; n >= (P::kCacheLanes + 31) / 32 * 32; n -= 32) {
@@ -366,7 +387,7 @@ int plan_blocks(int64_t heads, int64_t tokens, int sm_count, OpBlockPlan<op, kRo
     int64_t cost = 0;  // in 1/kMaxBlockTokens lanes a token
     for (int p = 0; p < P::kCount; ++p) {
       const int64_t lanes = P::lanes(p, heads);
-      const int per_thread = P::lanes_per_thread(p);
+      const int per_thread = P::lanes_per_thread(p, row_lanes);
       PartBlocks& part = candidate.parts[p];
       part = {n, 1, 0};
       if (lanes == 0) continue;
@@ -396,12 +417,16 @@ int plan_blocks(int64_t heads, int64_t tokens, int sm_count, OpBlockPlan<op, kRo
 
 template <Op op, bool kRopeOn, RopeStyle kStyle, ActType kAct>
 ffi::Error launch(cudaStream_t stream, const Epilogue& e) {
+  using P = Parts<op, kRopeOn, kStyle>;
   int device = 0, sm_count = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
     return cuda_error("reading the GPU's SM count", cudaGetLastError());
+  const bool streaming = call_streams<op, kRopeOn, kStyle>(e.heads, e.tokens, sm_count);
+  constexpr int kStreamLanes = P::stream_row_lanes();
+  const int row_lanes = streaming ? kStreamLanes : kLanesPerThread;
   OpBlockPlan<op, kRopeOn, kStyle> plan;
-  const int threads = plan_blocks<op, kRopeOn, kStyle>(e.heads, e.tokens, sm_count, plan);
+  const int threads = plan_blocks<op, kRopeOn, kStyle>(e.heads, streaming, row_lanes, plan);
   int64_t blocks = 0;
   for (const PartBlocks& part : plan.parts) blocks += part.blocks;
   const int64_t groups = (e.tokens + plan.group - 1) / plan.group;
@@ -417,8 +442,11 @@ ffi::Error launch(cudaStream_t stream, const Epilogue& e) {
     return ffi::Error::InvalidArgument("jax_kimi_mla: problem too large for one launch");
   if (reinterpret_cast<uintptr_t>(e.cos_sin) % 16 != 0)  // read as float4 rows
     return ffi::Error::InvalidArgument("jax_kimi_mla: cos_sin_cache is not 16-byte aligned");
-  epilogue_kernel<op, kRopeOn, kStyle, kAct>
-      <<<dim3(unsigned(blocks), unsigned(grid_y), unsigned(grid_z)), threads, 0, stream>>>(e, plan);
+  const dim3 grid{unsigned(blocks), unsigned(grid_y), unsigned(grid_z)};
+  if (row_lanes == kLanesPerThread)
+    epilogue_kernel<op, kRopeOn, kStyle, kAct, kLanesPerThread><<<grid, threads, 0, stream>>>(e, plan);
+  else if constexpr (kStreamLanes != kLanesPerThread)
+    epilogue_kernel<op, kRopeOn, kStyle, kAct, kStreamLanes><<<grid, threads, 0, stream>>>(e, plan);
   return ffi::Error::Success();
 }
 
