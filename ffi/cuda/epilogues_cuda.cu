@@ -7,16 +7,17 @@
 // are, where the token's rows start, and whether it needs the slot or the position are the same
 // for a sub-block: a lane only finds its head and chunk (constant divisors) and adds their
 // offsets, and only the blocks that rotate run the RoPE arithmetic. The kernel is compiled per
-// op, RoPE off / GPT-J / NeoX and activation dtype. With NeoX, pe lane j (0..3) of a row owns pe
-// chunks j and j + 4 (its pairs' two halves: it loads both, then stores both, so a row rotated in
-// place is never read after another thread wrote it). Each thread owns Parts::lanes_per_thread
-// lanes and runs in two phases, all loads, then the arithmetic and stores; a pe lane loads its own
-// slice of the token's cos/sin row (after the position), so no lane waits for another and the
-// kernel has no block-wide barrier. A thread's lanes of a pe part are one pe chunk of different heads: they
-// share one cos/sin slice, and where all heads share the pe source (prefill's k = [k_nope | k_pe])
-// one value, which the thread finishes once and stores for each (run_shared_pe_part). The 16
-// lanes of a ds_mla scale tile are one half warp (threads 0..63 of the cache part's sub-block,
-// whose size is a multiple of 16) and reduce their amax by shuffles.
+// op, RoPE off / GPT-J / NeoX, activation dtype and (fp8 ops) lanes a thread in the nope rows.
+// With NeoX, pe lane j (0..3) of a row owns pe chunks j and j + 4 (its pairs' two halves: it
+// loads both, then stores both, so a row rotated in place is never read after another thread
+// wrote it). Each thread owns Parts::lanes_per_thread lanes and runs in two phases, all loads,
+// then the arithmetic and stores; a pe lane loads its own slice of the token's cos/sin row (after
+// the position), so no lane waits for another and the kernel has no block-wide barrier. A
+// thread's lanes of a pe part are one pe chunk of different heads: they share one cos/sin slice,
+// and where all heads share the pe source (prefill's k = [k_nope | k_pe]) one value, which the
+// thread finishes once and stores for each (run_shared_pe_part). The 16 lanes of a ds_mla scale
+// tile are one half warp (threads 0..63 of the cache part's sub-block, whose size is a multiple
+// of 16) and reduce their amax by shuffles.
 #include <cuda_runtime.h>
 
 #include <algorithm>
