@@ -20,10 +20,12 @@
 #include <vector>
 
 #include "../../ffi/cuda/sm90_copy.cuh"
+#include "event_timing.cuh"
 
 namespace copy_probe {
 
 using namespace jax_kimi_mla;
+using namespace probe_timing;
 
 constexpr int kOutPieces = 72;  // 1152 bytes a row
 constexpr int kOutRowBytes = 16 * kOutPieces;
@@ -208,39 +210,6 @@ __global__ void count_mismatches(const uint4* in, const uint4* out, int64_t rows
     const uint4 want = in[r * in_pieces + source_piece(int(o - r * kOutPieces), in_pieces)], got = out[o];
     if (want.x != got.x || want.y != got.y || want.z != got.z || want.w != got.w) atomicAdd(bad, 1ull);
   }
-}
-
-float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-__global__ void hold(int64_t ns) {
-  int64_t start = 0, now = 0;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-  do asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-  while (now - start < ns);
-}
-
-float time_us(const std::function<void()>& f, int reps) {
-  for (int i = 0; i < 3; ++i) f();
-  std::vector<cudaEvent_t> events(size_t(reps) + 1);
-  for (cudaEvent_t& e : events) cudaEventCreate(&e);
-  hold<<<1, 1>>>(5000000);
-  cudaEventRecord(events[0]);
-  for (size_t i = 1; i < events.size(); ++i) {
-    f();
-    cudaEventRecord(events[i]);
-  }
-  cudaEventSynchronize(events.back());
-  std::vector<float> us;
-  for (size_t i = 1; i < events.size(); ++i) {
-    float ms = 0;
-    cudaEventElapsedTime(&ms, events[i - 1], events[i]);
-    us.push_back(1e3f * ms);
-  }
-  for (cudaEvent_t& e : events) cudaEventDestroy(e);
-  return median(us);
 }
 
 int sms() {

@@ -37,9 +37,12 @@
 #include <string>
 #include <vector>
 
+#include "event_timing.cuh"
+
 namespace gather_probe {  // named: nvcc's stubs cannot tell two anonymous namespaces apart
 
 using namespace jax_kimi_mla;
+using namespace probe_timing;
 
 bool ok(cudaError_t err, const char* what) {
   if (err != cudaSuccess) std::printf("%s failed: %s\n", what, cudaGetErrorString(err));
@@ -211,42 +214,6 @@ __global__ void fill_cache(uint8_t* cache, int64_t rows, int64_t row_bytes, Cach
     }
     reinterpret_cast<uint32_t*>(cache)[i] = w;
   }
-}
-
-float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-// Holds the stream for about `ns` nanoseconds, so that the launches queued behind it run back to
-// back, without the host's gaps between them.
-__global__ void hold(int64_t ns) {
-  int64_t start = 0, now = 0;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-  do asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-  while (now - start < ns);
-}
-
-// Median microseconds of `reps` back-to-back calls of f, each between two events.
-float time_us(const std::function<void()>& f, int reps) {
-  for (int i = 0; i < 3; ++i) f();
-  std::vector<cudaEvent_t> events(size_t(reps) + 1);
-  for (cudaEvent_t& e : events) cudaEventCreate(&e);
-  hold<<<1, 1>>>(5000000);
-  cudaEventRecord(events[0]);
-  for (size_t i = 1; i < events.size(); ++i) {
-    f();
-    cudaEventRecord(events[i]);
-  }
-  cudaEventSynchronize(events.back());
-  std::vector<float> us;
-  for (size_t i = 1; i < events.size(); ++i) {
-    float ms = 0;
-    cudaEventElapsedTime(&ms, events[i - 1], events[i]);
-    us.push_back(1e3f * ms);
-  }
-  for (cudaEvent_t& e : events) cudaEventDestroy(e);
-  return median(us);
 }
 
 // The gather at B sequences of `context` tokens, bfloat16 out: microseconds and the fraction of

@@ -8,20 +8,24 @@
 // kernel's q pe part does, and applies a cheap bijection (the halves of every word swapped), so
 // that a chunk it did not write, or wrote twice, is seen: each in-place store kind is checked on
 // the device against the rule (pe chunks swapped once, nope chunks untouched) after one launch.
-// Timing as copy_patterns.cu: the median of 30 back-to-back launches between events, behind a
-// kernel that holds the stream, against a 1 GiB cudaMemcpy (read + write bytes).
+// Timed as the other event-timed probes (event_timing.cuh): the median of 30 back-to-back
+// launches between events, behind a kernel that holds the stream, against a 1 GiB cudaMemcpy
+// (read + write bytes).
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/pe_in_place \
 //       benchmarks/probes/pe_in_place.cu && /tmp/pe_in_place
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
 #include <vector>
 
+#include "event_timing.cuh"
+
 namespace pe_probe {
+
+using namespace probe_timing;
 
 constexpr int kRowChunks = 24;  // 192 bf16 values a head row
 constexpr int kPeChunks = 8;    // its last 64
@@ -133,35 +137,6 @@ __global__ void count_wrong(const uint4* before, const uint4* after, int64_t chu
     const uint4 want = pe ? swap_halves(before[i]) : before[i], got = after[i];
     if (want.x != got.x || want.y != got.y || want.z != got.z || want.w != got.w) atomicAdd(bad, 1ull);
   }
-}
-
-__global__ void hold(int64_t ns) {
-  int64_t start = 0, now = 0;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-  do asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-  while (now - start < ns);
-}
-
-float time_us(const std::function<void()>& f, int reps) {
-  for (int i = 0; i < 3; ++i) f();
-  std::vector<cudaEvent_t> events(size_t(reps) + 1);
-  for (cudaEvent_t& e : events) cudaEventCreate(&e);
-  hold<<<1, 1>>>(5000000);
-  cudaEventRecord(events[0]);
-  for (size_t i = 1; i < events.size(); ++i) {
-    f();
-    cudaEventRecord(events[i]);
-  }
-  cudaEventSynchronize(events.back());
-  std::vector<float> us;
-  for (size_t i = 1; i < events.size(); ++i) {
-    float ms = 0;
-    cudaEventElapsedTime(&ms, events[i - 1], events[i]);
-    us.push_back(1e3f * ms);
-  }
-  for (cudaEvent_t& e : events) cudaEventDestroy(e);
-  std::sort(us.begin(), us.end());
-  return us[us.size() / 2];
 }
 
 }  // namespace pe_probe

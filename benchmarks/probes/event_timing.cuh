@@ -1,0 +1,51 @@
+// How the event-timed probes (copy_patterns.cu, gather_cache.cu, pe_in_place.cu) time a call: the
+// median of back-to-back launches between events, queued behind a kernel that holds the stream so
+// that the host's gaps between launches do not count.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+namespace probe_timing {
+
+inline float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Holds the stream for about `ns` nanoseconds, so that the launches queued behind it run back to
+// back, without the host's gaps between them.
+__global__ void hold(int64_t ns) {
+  int64_t start = 0, now = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  while (now - start < ns);
+}
+
+// Median microseconds of `reps` back-to-back calls of f, each between two events.
+inline float time_us(const std::function<void()>& f, int reps) {
+  for (int i = 0; i < 3; ++i) f();
+  std::vector<cudaEvent_t> events(size_t(reps) + 1);
+  for (cudaEvent_t& e : events) cudaEventCreate(&e);
+  hold<<<1, 1>>>(5000000);
+  cudaEventRecord(events[0]);
+  for (size_t i = 1; i < events.size(); ++i) {
+    f();
+    cudaEventRecord(events[i]);
+  }
+  cudaEventSynchronize(events.back());
+  std::vector<float> us;
+  for (size_t i = 1; i < events.size(); ++i) {
+    float ms = 0;
+    cudaEventElapsedTime(&ms, events[i - 1], events[i]);
+    us.push_back(1e3f * ms);
+  }
+  for (cudaEvent_t& e : events) cudaEventDestroy(e);
+  return median(us);
+}
+
+}  // namespace probe_timing
