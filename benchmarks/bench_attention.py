@@ -332,16 +332,16 @@ def target_lines(rows: list[dict], sizes: Sizes) -> list[str]:
         judge(f"5. {fmt}: >= {least:g}x faster than the reference at B = {sizes.point[0]}, context {sizes.point[1]}",
               mine, all(r["speedup"] >= least for r in mine),
               ", ".join(f"{r['speedup']:.1f}x ({r['op_us']:.1f} vs {r['ref_us']:.1f} us)" for r in mine))
-    steps = _ok(rows, "layer")
-    judge(f"6. layer decode step <= {MAX_LAYER_OVER_FLOOR}x its floor", steps,
-          all(r["op_us"] <= MAX_LAYER_OVER_FLOOR * r["floor_us"] for r in steps),
-          ", ".join(f"{r['cache_format']} B={r['batch']} ctx={r['context']}: {r['op_us'] / r['floor_us']:.2f}x"
-                    for r in steps))
+    # Issue 10 sets the layer's targets at the reference point only; its other points (B = 1, the
+    # largest batch) are reported in the layer table, not judged.
+    steps = [r for r in _ok(rows, "layer") if (r["batch"], r["context"]) == sizes.point]
+    judge(f"6. layer decode step at B = {sizes.point[0]}, context {sizes.point[1]}: <= {MAX_LAYER_OVER_FLOOR}x "
+          "its floor", steps, all(r["op_us"] <= MAX_LAYER_OVER_FLOOR * r["floor_us"] for r in steps),
+          ", ".join(f"{r['cache_format']} {r['op_us'] / r['floor_us']:.2f}x" for r in steps))
     pairs = _pairs(steps, "batch", "context")
-    judge("6. layer: fp8_ds_mla step faster than bf16 at the same B, context", pairs,
+    judge(f"6. layer at B = {sizes.point[0]}, context {sizes.point[1]}: fp8_ds_mla step faster than bf16", pairs,
           all(ds["op_us"] < bf["op_us"] for bf, ds in pairs),
-          ", ".join(f"B={bf['batch']} ctx={bf['context']}: {ds['op_us']:.1f} vs {bf['op_us']:.1f} us"
-                    for bf, ds in pairs))
+          ", ".join(f"{ds['op_us']:.1f} vs {bf['op_us']:.1f} us" for bf, ds in pairs))
     gathers = [r for r in _ok(rows, "gather") if r["batch"] * r["context"] >= 65536]
     judge(f"7. gather_mla_cache: every format >= {MIN_GATHER_CEILING_FRACTION:.0%} of the copy ceiling at >= 64k tokens",
           gathers, all(r["ceiling_fraction"] >= MIN_GATHER_CEILING_FRACTION for r in gathers),
