@@ -144,8 +144,8 @@ for s in $stages; do
         "$bin/bulk" --check-only ;;
     attn-probe|attn-phases)
       # The decode attention kernels alone (no extension build; benchmarks/probes/decode_attention.cu).
-      # attn-probe: every JAX_KIMI_MLA_DECODE_KERNEL choice on the same inputs, each against
-      # attention_kernel, timed at B 64 x 16k and B = 1. attn-phases (-DJKM_PHASE_STAMPS, about
+      # attn-probe: the JAX_KIMI_MLA_DECODE_KERNEL choices mma, default and rs on the same inputs,
+      # each against attention_kernel, timed at B 64 x 16k and B = 1. attn-phases (-DJKM_PHASE_STAMPS, about
       # 90 s): where the default kernels' time goes beyond streaming their tiles, each CTA's phases
       # and how the CTAs start and end.
       inc=(-I ffi/include -I "$(python3 -c 'import jax.ffi; print(jax.ffi.include_dir())')")

@@ -264,13 +264,12 @@ def test_cuda_long_contexts(fmt, q_dtype, q_tokens):
     assert_close(fmt, q_dtype, poisoned_run(args, kw, "cuda"), want)
 
 
-# The kernels a call takes only when asked (JAX_KIMI_MLA_DECODE_KERNEL): wgmma (the 1-byte formats
-# at S_q = 1 on sm_90), ds16 (fp8_ds_mla at S_q = 1 with f16 MMAs), rs (fp8_ds_mla at S_q = 1 on
-# sm_90, also where its splits are too short to be the default), and mma, the general kernel where
-# the plain fp8 cache under an E4M3 query, or fp8_ds_mla with long splits, at S_q = 1 would take
-# its own (fp8_attention_kernel, rs_attention_kernel): long and ragged lengths, split counts, block
-# sizes, a NaN inside a length.
-WGMMA_CASES = {
+# The kernels a call takes only when asked (JAX_KIMI_MLA_DECODE_KERNEL): rs (fp8_ds_mla at S_q = 1
+# on sm_90, also where its splits are too short to be the default), and mma, the general kernel
+# where the plain fp8 cache under an E4M3 query, or fp8_ds_mla with long splits, at S_q = 1 would
+# take its own (fp8_attention_kernel, rs_attention_kernel): long and ragged lengths, split
+# counts, block sizes, a NaN inside a length.
+REQUESTED_CASES = {
     "long": dict(lens=(5000, 1, 0, 2049, 77), heads=16, block_size=64),
     "one split": dict(lens=(700, 64, 1, 0, 129), heads=20, num_splits=1),
     "many splits": dict(lens=(700, 64, 1, 0, 129), heads=20, num_splits=40),
@@ -281,20 +280,18 @@ WGMMA_CASES = {
 }
 
 
-KERNEL_CHOICES = (
-    [("wgmma", *f) for f in FORMATS if f[0] != "bf16"]
-    + [("ds16", *f) for f in FORMATS if f[0] == "fp8_ds_mla"]
-    + [("rs", *f) for f in FORMATS if f[0] == "fp8_ds_mla"]
-    + [("mma", "fp8", "float8_e4m3fn"), ("mma", "fp8_ds_mla", "bfloat16")]
-)
+KERNEL_CHOICES = [("rs", *f) for f in FORMATS if f[0] == "fp8_ds_mla"] + [
+    ("mma", "fp8", "float8_e4m3fn"),
+    ("mma", "fp8_ds_mla", "bfloat16"),
+]
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", WGMMA_CASES)
+@pytest.mark.parametrize("case", REQUESTED_CASES)
 @pytest.mark.parametrize("kernel,fmt,q_dtype", KERNEL_CHOICES)
 def test_cuda_kernels_taken_on_request(monkeypatch, kernel, fmt, q_dtype, case):
     monkeypatch.setenv("JAX_KIMI_MLA_DECODE_KERNEL", kernel)
-    spec = dict(WGMMA_CASES[case])
+    spec = dict(REQUESTED_CASES[case])
     splits = {"num_splits": spec.pop("num_splits")} if "num_splits" in spec else {}
     args, kw = make_case(fmt, q_dtype, seed=4, **spec)
     want = run(reference.mla_decode_attention, args, kw, "cpu")

@@ -21,7 +21,6 @@ VARIANTS = {
     "gather_cache.cu[bulk-2-ctas]": ("gather_cache.cu", ['-DJKM_GATHER_SOURCE="gather_bulk.cuh"', "-DJKM_GATHER_BULK_CTAS=2"]),
     # As CMake builds the extension for sm_90a (the rs and wide kernels are then the defaults).
     "decode_attention.cu": ("decode_attention.cu", ["-DJKM_SM90A_BUILT"]),
-    "decode_attention.cu[trace]": ("decode_attention.cu", ["-DJKM_SM90A_BUILT", "-DJKM_WG_TRACE"]),
     "decode_attention.cu[phases]": ("decode_attention.cu", ["-DJKM_SM90A_BUILT", "-DJKM_PHASE_STAMPS"]),
     "ds_rs_tile_loop.cu[fp8]": ("ds_rs_tile_loop.cu", ["-DJKM_RS_FP8"]),
 }

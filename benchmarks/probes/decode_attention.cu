@@ -1,32 +1,23 @@
 // The mla_decode_attention CUDA kernels (ffi/cuda/decode_attention_cuda.cu, included as it is)
 // alone on a GPU, without building the extension: for the 1-byte formats, the kernel each
 // JAX_KIMI_MLA_DECODE_KERNEL choice takes (mma: attention_kernel; unset: the default, which for
-// plain fp8 under an E4M3 q is fp8_attention_kernel; ds16: ds_attention_kernel for fp8_ds_mla;
-// wgmma) on the same inputs, each against the first, timed at the benchmark's memory-bound size and at B = 1, so that a kernel change can be
-// judged in one short device call. The tests of
+// plain fp8 under an E4M3 q is fp8_attention_kernel and for fp8_ds_mla from 4 tiles a split
+// rs_attention_kernel; rs: rs_attention_kernel for fp8_ds_mla at any split length) on the same
+// inputs, each against the first, timed at the benchmark's memory-bound size and at B = 1, so that
+// a kernel change can be judged in one short device call. The tests of
 // tests/test_decode_attention.py remain the correctness reference; this only guards against
-// timing a broken build. With -DJKM_WG_TRACE the wgmma kernel's roles stamp clock64 at each phase
-// for CTA 0 and the probe prints where a tile's time goes. With -DJKM_PHASE_STAMPS the default
-// kernel's CTAs stamp their phases (JKM_PHASE_AT: entry, lookups, prologue, first tile, loop end,
-// rows staged, exit) and the probe prints where a call's time goes beyond its tiles' streaming:
-// what a CTA spends before its first tile and after its last, and how the CTAs start and end.
+// timing a broken build. With -DJKM_PHASE_STAMPS the default kernel's CTAs stamp their phases
+// (JKM_PHASE_AT: entry, lookups, prologue, first tile, loop end, rows staged, exit) and the probe
+// prints where a call's time goes beyond its tiles' streaming: what a CTA spends before its first
+// tile and after its last, and how the CTAs start and end.
 //
 // Cases: the arguments, each format:B:context:H:splits (format bf16, fp8 or ds), or four default
-// ones. PROBE_KERNELS=default,rs,... (comma-separated; "default" unsets the choice) times other
-// kernel choices than mma, default, ds16 and wgmma.
+// ones. PROBE_KERNELS=default,rs-combine,... (comma-separated; "default" unsets the choice) times
+// other kernel choices than mma, default and rs.
 //
 //   INC="-I ffi/include -I $(python3 -c 'import jax.ffi; print(jax.ffi.include_dir())')"
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DJKM_SM90A_BUILT $INC -o /tmp/decode_attention \
 //       benchmarks/probes/decode_attention.cu && /tmp/decode_attention
-#ifdef JKM_WG_TRACE
-__device__ long long g_trace[64][12];
-#define JKM_WG_TRACE_AT(tile, point)                                                          \
-  do {                                                                                        \
-    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && (tile) < 64 &&             \
-        (threadIdx.x == 0 || threadIdx.x == 128 || threadIdx.x == 256))                       \
-      g_trace[tile][point] = clock64();                                                       \
-  } while (0)
-#endif
 #ifdef JKM_PHASE_STAMPS
 constexpr int kStampedCtas = 8192, kStampedTiles = 1024, kPhasePoints = 7;
 __device__ unsigned long long g_phase_ns[kStampedCtas][kPhasePoints];  // %globaltimer: across SMs
@@ -237,10 +228,9 @@ int run_case(const Case& k, std::mt19937& rng) {
   a.q_scale_inv = fp8 ? d_scales : nullptr;
   a.out = d_out, a.lse = d_lse, a.partials = k.splits > 1 ? d_partials : nullptr, a.num_splits = k.splits;
 
-  // The kernels by JAX_KIMI_MLA_DECODE_KERNEL: attention_kernel (forced), the default (for plain
-  // fp8 under an E4M3 q, fp8_attention_kernel), ds16 (for fp8_ds_mla, ds_attention_kernel; else
-  // the default), the wgmma kernel; each against the first.
-  std::vector<std::string> kernels = {"mma", "default", "ds16", "wgmma"};
+  // The kernels by JAX_KIMI_MLA_DECODE_KERNEL: attention_kernel (forced), the default,
+  // rs_attention_kernel where the format is fp8_ds_mla (else the default); each against the first.
+  std::vector<std::string> kernels = {"mma", "default", "rs"};
   if (const char* env = std::getenv("PROBE_KERNELS")) {
     kernels.clear();
     std::stringstream list(env);
@@ -301,38 +291,6 @@ int run_case(const Case& k, std::mt19937& rng) {
   std::printf("\n");
 #ifdef JKM_PHASE_STAMPS
   print_phases(a, k, tiles_per_cta);
-#endif
-#ifdef JKM_WG_TRACE
-  setenv("JAX_KIMI_MLA_DECODE_KERNEL", "wgmma", 1);
-  (void)run(nullptr, a);
-  cudaDeviceSynchronize();
-  long long trace[64][12];
-  cudaMemcpyFromSymbol(trace, g_trace, sizeof trace);
-  const long long t0 = trace[0][10];
-  std::printf("  trace of CTA 0 (cycles from its start): tile: consumer qk-start chunks-ready qk-done softmax-done "
-              "pv-done | converter raw-ready chunk0-free done | tile-start reissued\n");
-  const int n = std::min(64, int(tiles_per_cta));
-  for (int i = 0; i < std::min(n, 6); ++i) {
-    std::printf("  %2d:", i);
-    for (int p = 0; p < 10; ++p) std::printf(" %7lld%s", trace[i][p] - t0, p == 4 || p == 7 ? " |" : "");
-    std::printf("\n");
-  }
-  double d[8] = {};
-  int m = 0;
-  for (int i = 8; i < n; ++i, ++m) {
-    d[0] += trace[i][0] - trace[i - 1][0];  // period
-    d[1] += trace[i][1] - trace[i][0];      // consumer waits for the chunks
-    d[2] += trace[i][2] - trace[i][1];      // QK^T after the last chunk
-    d[3] += trace[i][3] - trace[i][2];      // softmax
-    d[4] += trace[i][4] - trace[i][3];      // P.V
-    d[5] += trace[i][6] - trace[i][5];      // converter waits for chunk 0
-    d[6] += trace[i][7] - trace[i][6];      // conversion
-    d[7] += trace[i][9] - trace[i][8];      // converter: raw wait, loads, reissue
-  }
-  if (m > 0)
-    std::printf("  mean over tiles 8..%d (cycles): period %.0f; consumer: chunk wait %.0f, qk tail %.0f, softmax %.0f, "
-                "pv %.0f; converter: raw-ready to chunk 0 %.0f, convert %.0f, start to reissue %.0f\n",
-                n - 1, d[0] / m, d[1] / m, d[2] / m, d[3] / m, d[4] / m, d[5] / m, d[6] / m, d[7] / m);
 #endif
   cudaFree(d_cache), cudaFree(d_q), cudaFree(d_tables), cudaFree(d_lens), cudaFree(d_scales), cudaFree(d_lse);
   cudaFree(d_partials), cudaFree(d_out);

@@ -74,16 +74,10 @@
 // 1b. fp8_attention_kernel (the default for the plain fp8 cache under an E4M3 query at S_q = 1),
 //    in place of attention_kernel: the same CTA and phases, but P.V reads the raw codes and
 //    converts them in registers, so no converted V tile is written or read (its section below).
-// 1c. ds_attention_kernel (opt-in, JAX_KIMI_MLA_DECODE_KERNEL=ds16; fp8_ds_mla at S_q = 1): the
-//    same for fp8_ds_mla on f16 MMAs, the tile scales out of the MMAs. Correct on the H200, still
-//    slower than attention_kernel (320 against 297 us at B 64 x 16k; its section below).
-// 1d. wgmma_attention_kernel (opt-in, JAX_KIMI_MLA_DECODE_KERNEL=wgmma; sm_90, the 1-byte formats,
-//    S_q = 1), in place of the others: warp roles handing tiles over by mbarriers, wgmma
-//    with the tokens as M. Correct, still slower (its section below).
-// 1e. wide_attention_kernel (the default for a 16-bit cache at S_q = 1 with many query rows, on
+// 1c. wide_attention_kernel (the default for a 16-bit cache at S_q = 1 with many query rows, on
 //    sm_90): 64 rows a CTA on wgmma, the query tile resident in shared memory, so that a tile is
 //    read and multiplied once per 64 heads instead of 16 (its section below).
-// 1f. rs_attention_kernel (the default for fp8_ds_mla at S_q = 1 on sm_90 from 4 tiles a split):
+// 1d. rs_attention_kernel (the default for fp8_ds_mla at S_q = 1 on sm_90 from 4 tiles a split):
 //    the tokens as M of wgmma with the A operand converted in registers by each consumer thread,
 //    two warpgroups on alternate tiles (its section below). H200, B 64 x 16k: 205 us (79%). With
 //    2-8 splits, a sequence's splits are one thread block cluster and merge there (no combine).
@@ -112,6 +106,9 @@
 // nearly match and the 1-byte formats' do not: with the whole context in L2 they run no faster,
 // and one barrier a tile instead of two ran slower (Thirteenth round). The split count is the
 // caller's choice: one CTA per SM, so num_splits * ceil(S_q*H / 16) * B should reach the SM count.
+// Two opt-in kernels that stayed slower than the defaults were retired on 2026-12-04 (fp8_ds_mla on
+// f16 mma.sync with the tile scales out of the MMAs, and the 1-byte formats on wgmma fed by
+// converter warps); docs/DECODE_ATTENTION.md keeps their rounds and the commit that last held them.
 #include <cuda.h>  // CUtensorMap (the driver is reached through the runtime: no link to libcuda)
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -408,16 +405,12 @@ __device__ __forceinline__ Scales load_scales(const DecodeAttention& a) {
 // fp8_attention_kernel's token order: position kk of a 16-token group (of the logits, P and the B
 // rows of P.V) holds token fp8_token(kk) of the group (its section says why).
 __host__ __device__ constexpr int fp8_token(int kk) { return kk ^ ((kk >> 1) & 1); }
-// ds_attention_kernel's: 656-byte rows are 16 mod 128, so the two tokens that each quarter-warp of
-// a 16-byte QK^T load reads (positions 2j, 2j + 1) are 4 apart: tokens j and j + 4 (conflict-free;
-// P.V's 8-byte loads stay 2-way, as plain fp8's).
-__host__ __device__ constexpr int ds_token(int kk) { return (kk & 8) | ((kk & 7) >> 1) | ((kk & 1) << 2); }
 
 // Where a kernel keeps the tokens of a 16-token group: position kk holds token ordered_token(kk).
-enum class TokenOrder { kNatural, kFp8, kDsMla };
+enum class TokenOrder { kNatural, kFp8 };
 template <TokenOrder kOrder>
 __host__ __device__ constexpr int ordered_token(int kk) {
-  return kOrder == TokenOrder::kFp8 ? fp8_token(kk) : kOrder == TokenOrder::kDsMla ? ds_token(kk) : kk;
+  return kOrder == TokenOrder::kFp8 ? fp8_token(kk) : kk;
 }
 
 // The MMA column (in the Q tile) of query column k, for the 1-byte formats.
@@ -1017,19 +1010,17 @@ __device__ __forceinline__ void store_lse(const DecodeAttention& a, const Work& 
 
 // kFp8Columns: the fragments of fp8_attention_kernel's P.V, whose out[i][2h + e] is column 16c + 8e + i
 // of the warp's 64 (else out[n][2h + e] is column 8n + 2c + e).
-// unit: null, or the unit of this warp's out per row (ds_attention_kernel's R).
 template <bool kFp8Columns = false>
 __device__ __forceinline__ void write_rows(const DecodeAttention& a, const Work& w, const Lane& t,
                                            const Scales& scales, const RowStats& stats,
-                                           const float (&out)[kOutBlocks][4], float* staging,
-                                           const float* unit = nullptr) {
+                                           const float (&out)[kOutBlocks][4], float* staging) {
   const int64_t rows = a.rows();
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = t.g + 8 * h;
     const float sum = stats.sum[row];
     const bool empty = sum == 0.0f;  // saw no visible unmasked token; a NaN sum is not empty
-    const float norm = empty ? 0.0f : (unit != nullptr ? unit[row] : 1.0f) * scales.out / sum;
+    const float norm = empty ? 0.0f : scales.out / sum;
     float* dst = staging + row * kStagingStride + t.warp * kColsPerWarp;
     if constexpr (kFp8Columns) {
 #pragma unroll
@@ -1263,7 +1254,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 //   (2c + 1, 2c) (write_logits<TokenOrder::kFp8>).
 // - P.V of tile i - 1 runs before QK^T of tile i, at the top of the iteration: moved into the
 //   softmax interval of tile i (after the softmax, P tiles and alphas by tile parity) it ran
-//   220 us against 213 (2026-12-02), where ds_attention_kernel gained from the move (kPvWithSoftmax).
+//   220 us against 213 (2026-12-02).
 // (mma.sync with E4M3 operands, m16n8k32, is no faster on sm_90: ptxas lowers it to these same
 // conversions and two f16 MMAs, and then converts Q again on every tile; measured, 2026-12-02.)
 constexpr int kRawStages = 4;
@@ -1311,260 +1302,25 @@ __device__ __forceinline__ void pv_accumulate_fp8(const Lane& t, const uint32_t 
   }
 }
 
-// ---- fp8_ds_mla in f16: the tile scales out of the MMAs, P.V from the raw codes (opt-in) ----
-//
-// ds_attention_kernel (JAX_KIMI_MLA_DECODE_KERNEL=ds16; fp8_ds_mla at S_q = 1, sm_89+ fp8
-// conversion) is fp8_attention_kernel for fp8_ds_mla: its latent codes become exact f16 values in
-// hardware, as plain fp8's do, where attention_kernel builds bf16 values by bit placement and
-// multiplies each by its tile scale. The scales leave the MMAs:
-// - QK^T: the latent q, in f16 after a per-row power-of-two prescale (its largest latent value
-//   then lies in [2^14, 2^15): exact for every value within 2^29 of it), times the raw codes in
-//   f16, one accumulator per 128-column scale tile; each tile's partial logits are multiplied by
-//   the token's scale and the row's unscale in float32. The 64 k_pe columns are a bf16 MMA of
-//   their own (bf16 q_pe times the raw bf16 k_pe: no conversion).
-// - P.V: warp w's 64 output columns lie in scale tile t = w / 2, so the scale goes into P: warp w
-//   multiplies P'_t = f16(p s_t / R_t) by the raw codes in f16 (pv_accumulate_fp8), R_t a power
-//   of two per row and tile near the row's largest p s_t over the tile's tokens (so that the
-//   largest terms keep f16's 11 bits: benchmarks/probes/ds_mla_pv_precision.py), and out is
-//   carried in units of R_t, rescaled with alpha x R_old / R_new. The softmax writes the four P'.
-// - Token order ds_token (656-byte rows: conflict-free QK^T loads); the scales of a tile are copied
-//   by position to a small array (tile_scales) so that the softmax reads them without conflicts;
-//   R_t moves only when the tile's largest p s_t leaves a slack of 2^8 around it (kUnitSlack).
-// Correct on the H200 (its tests, compute-sanitizer memcheck 0 errors), still slower than
-// attention_kernel there: 320 against 297 us at B 64 x 16k, H 12 (docs/DECODE_ATTENTION.md,
-// Twelfth round: its softmax still issues 1.6x plain fp8's instructions). Opt-in until faster.
-constexpr int kScaleTiles = kLatent / kDsMlaTile;  // 4
-static_assert(kWarps == 2 * kScaleTiles, "two warps' output columns per scale tile");
+// ---- fp8_attention_kernel's loop ----
 
-// The per-row values: the softmax's, with out's rescale factor and its unit R per scale tile, and
-// the f16 prescale of q.
-struct DsStats {
-  RowStats rows;                         // the rows' max and sum at the end (alpha unused)
-  float factor[2][kScaleTiles][kTileRows];  // alpha x R_old / R_new, by tile parity
-  float unit[kScaleTiles][kTileRows];    // R after the last tile (written at the end)
-  float q_unscale[kTileRows];            // 2^k: the row's latent q was stored times 2^-k
-  int q_max_bits[kTileRows];             // the row's largest |latent q| (float bits), for the prescale
-};
-
-// The query tile: fetch_q's chunks, the latent ones (chunks 0-63 of a row) as f16 times the row's
-// prescale, the k_pe ones as bf16, at mma_column<kFp8DsMla>. Two steps around a barrier: the rows'
-// largest latent values first (ds_q_row_max), then the tile (ds_store_q).
-__device__ __forceinline__ float chunk_elem(const DecodeAttention& a, uint32_t word, int half) {
-  const uint16_t h = uint16_t(word >> (16 * half));
-  return a.q_type == QType::kF16 ? __half2float(__ushort_as_half(h)) : bf16_to_f32(h);
-}
-
-__device__ __forceinline__ void ds_q_row_max(const DecodeAttention& a, const uint4 (&fetched)[kQChunksPerThread],
-                                             DsStats& stats) {
-  constexpr int kChunksPerRow = kEntry / 8;
-#pragma unroll
-  for (int i = 0; i < kQChunksPerThread; ++i) {
-    const int c = int(threadIdx.x) + i * kThreads, r = c / kChunksPerRow;
-    if (c >= kQChunks) break;
-    if (c - r * kChunksPerRow >= kLatent / 8) continue;  // k_pe: no prescale
-    const uint32_t words[4] = {fetched[i].x, fetched[i].y, fetched[i].z, fetched[i].w};
-    float m = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(chunk_elem(a, words[j / 2], j % 2)));  // NaN skipped
-    atomicMax(&stats.q_max_bits[r], __float_as_int(m));  // nonnegative floats order as their bits
-  }
-}
-
-__device__ __forceinline__ void ds_store_q(const DecodeAttention& a, const uint4 (&fetched)[kQChunksPerThread],
-                                           const DsStats& stats, uint8_t* q_tile) {
-  constexpr int kChunksPerRow = kEntry / 8;
-#pragma unroll
-  for (int i = 0; i < kQChunksPerThread; ++i) {
-    const int c = int(threadIdx.x) + i * kThreads, r = c / kChunksPerRow, chunk = c - r * kChunksPerRow;
-    if (c >= kQChunks) break;
-    const uint32_t words[4] = {fetched[i].x, fetched[i].y, fetched[i].z, fetched[i].w};
-    uint32_t pairs[4];
-    if (chunk < kLatent / 8) {
-      const float prescale = 1.0f / stats.q_unscale[r];  // a power of two: exact
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        pairs[j] = pack_elems<ActType::kF16>(chunk_elem(a, words[j], 0) * prescale, chunk_elem(a, words[j], 1) * prescale);
-    } else {
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        pairs[j] = a.q_type == QType::kF16 ? pack_elems<ActType::kBF16>(chunk_elem(a, words[j], 0), chunk_elem(a, words[j], 1))
-                                           : words[j];
-    }
-    uint8_t* q_row = q_tile + r * kRowBytes;
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      *reinterpret_cast<uint32_t*>(q_row + 2 * mma_column<CacheFormat::kFp8DsMla>(chunk * 8 + 2 * j)) = pairs[j];
-  }
-}
-
-// Partial QK^T of the 16 rows x this warp's 16 tokens (ds_token order) over 64-column blocks
-// [kFirstBlock, kFirstBlock + kBlocks) of a raw ds_mla tile: acc[k][n] for the half's scale tile
-// k (blocks 2k, 2k + 1 of the half), acc[2][n] for k_pe (block 8), unscaled.
-template <int kFirstBlock, int kBlocks, int kQSteps>
-__device__ __forceinline__ void qk_tile_ds(const Lane& t, const uint32_t (&q)[kQSteps][4], const uint8_t* raw,
-                                           float (&acc)[3][2][4]) {
-  const uint8_t* row[2];
-#pragma unroll
-  for (int n = 0; n < 2; ++n)
-    row[n] = raw + (t.group * kTokensPerGroup + ds_token(8 * n + t.g)) * kDsMlaEntryBytes;
-#pragma unroll
-  for (int jj = 0; jj < kBlocks; ++jj) {
-    const int j = kFirstBlock + jj;
-    uint32_t b[2][8];
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      if (j == kLatent / 64) {  // k_pe: bf16 already
-        const uint4 lo = *reinterpret_cast<const uint4*>(row[n] + kDsMlaPeOffset + 16 * t.c);
-        const uint4 hi = *reinterpret_cast<const uint4*>(row[n] + kDsMlaPeOffset + 64 + 16 * t.c);
-        b[n][0] = lo.x, b[n][1] = lo.y, b[n][2] = lo.z, b[n][3] = lo.w;
-        b[n][4] = hi.x, b[n][5] = hi.y, b[n][6] = hi.z, b[n][7] = hi.w;
-      } else {
-        const uint4 codes = *reinterpret_cast<const uint4*>(row[n] + 64 * j + 16 * t.c);
-        const uint4 lo = e4m3x8_placed<ActType::kF16>(make_uint2(codes.x, codes.y));
-        const uint4 hi = e4m3x8_placed<ActType::kF16>(make_uint2(codes.z, codes.w));
-        b[n][0] = lo.x, b[n][1] = lo.y, b[n][2] = lo.z, b[n][3] = lo.w;
-        b[n][4] = hi.x, b[n][5] = hi.y, b[n][6] = hi.z, b[n][7] = hi.w;
-      }
-    }
-    const int k = j == kLatent / 64 ? 2 : jj / 2;
-#pragma unroll
-    for (int s = 0; s < 4; ++s)
-#pragma unroll
-      for (int n = 0; n < 2; ++n) {
-        if (j == kLatent / 64)
-          mma_16816<ActType::kBF16>(acc[k][n], q[4 * jj + s], b[n][2 * s], b[n][2 * s + 1]);
-        else
-          mma_16816<ActType::kF16>(acc[k][n], q[4 * jj + s], b[n][2 * s], b[n][2 * s + 1]);
-      }
-  }
-}
-
-// The half's partial logits in write_logits' form (chain 1 zero): the scale tiles' partials times
-// their tokens' scales and the rows' unscale, plus k_pe's. Lane (g, c) holds positions 8n + 2c + e
-// of its group (tokens ds_token of those). Lanes g = 0 also copy the half's two scales of those
-// tokens to tile_scales ([scale tile][position]), where the softmax reads each lane's four
-// positions of a scale tile as one conflict-free 16-byte load.
-__device__ __forceinline__ void ds_combine_logits(const Lane& t, const uint8_t* raw, const float (&acc)[3][2][4],
-                                                  const float (&unscale)[2], float (&logits)[2][2][4],
-                                                  float* tile_scales) {
-#pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    float2 sc[2];  // the half's two tile scales of the tokens of e = 0, 1
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int position = t.group * kTokensPerGroup + 8 * n + 2 * t.c + e;
-      const int token = t.group * kTokensPerGroup + ds_token(8 * n + 2 * t.c + e);
-      sc[e] = *reinterpret_cast<const float2*>(raw + token * kDsMlaEntryBytes + kDsMlaScaleOffset + 8 * t.half);
-      if (t.g == 0) {
-        tile_scales[(2 * t.half) * kTileTokens + position] = sc[e].x;
-        tile_scales[(2 * t.half + 1) * kTileTokens + position] = sc[e].y;
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 s = sc[i & 1];
-      const float latent = fmaf(acc[0][n][i], s.x, acc[1][n][i] * s.y) * unscale[i >> 1];
-      logits[n][0][i] = t.half == 1 ? latent + acc[2][n][i] : latent;
-      logits[n][1][i] = 0.0f;
-    }
-  }
-}
-
-// The exponent field of a nonnegative float (0 for zero and subnormals, 255 for NaN).
-__device__ __forceinline__ uint32_t exponent_of(float x) { return (__float_as_uint(x) >> 23) & 0xFFu; }
-
-// x 2^d for |d| <= 252, in two exact steps (each factor a normal float).
-__device__ __forceinline__ float times_pow2(float x, int d) {
-  const int d0 = d / 2, d1 = d - d0;
-  return x * __uint_as_float(uint32_t(127 + d0) << 23) * __uint_as_float(uint32_t(127 + d1) << 23);
-}
-
-// How far (in binades) a tile's largest p s_t may lie from the unit R_t before R_t follows it:
-// within it, the tile's largest P' is in [2^-kUnitSlack, 2^(kUnitSlack + 1)), far inside f16's
-// normal range, and out needs no rescale for R (only for alpha, as plain fp8).
-constexpr int kUnitSlack = 8;
-
-// softmax_rows for ds_attention_kernel: the row's probabilities p, and from them, per scale tile t,
-// P'_t = f16(p s_t / R_t) (the four P' tiles). R_t = 2^(E_t - 127) is a power of two per row that
-// follows the exponent field of the row's largest p s_t over the tile (E_max) only when E_max
-// leaves [E_t - kUnitSlack, E_t + kUnitSlack], so that it changes less often (a tile where every
-// p s_t is 0 keeps it). `units` holds the row's E_t in its four bytes (127 at the start: R = 1).
-// Returns whether some factor (alpha x R_old / R_new) of the row is not 1.
-__device__ __forceinline__ bool ds_softmax_rows(const Lane& t, const float* scores, const float* tile_scales,
-                                                uint8_t* p_tiles, RowState& state, uint32_t& units,
-                                                float (&factors)[kScaleTiles][kTileRows]) {
-  const int row = softmax_row(t), position = 4 * (t.lane % 16);
-  float e[4];
-  const float alpha = online_softmax(t, scores, state, e);
-  float ps[kScaleTiles][4], lane_max[kScaleTiles];
-  bool leaves = false;  // some scale tile of this warp's rows needs a new unit
-#pragma unroll
-  for (int k = 0; k < kScaleTiles; ++k) {
-    const float4 s = *reinterpret_cast<const float4*>(tile_scales + k * kTileTokens + position);
-    ps[k][0] = e[0] * s.x, ps[k][1] = e[1] * s.y, ps[k][2] = e[2] * s.z, ps[k][3] = e[3] * s.w;
-    lane_max[k] = fmaxf(fmaxf(ps[k][0], ps[k][1]), fmaxf(ps[k][2], ps[k][3]));  // NaN skipped
-    const int unit = int((units >> (8 * k)) & 0xFFu), top = int(exponent_of(fmaxf(lane_max[k], 0.0f)));
-    // Above the slack in some lane, or below it (and not 0) in every lane of the row.
-    const uint32_t above = __ballot_sync(0xFFFFFFFFu, top > unit + kUnitSlack);
-    const uint32_t below = __ballot_sync(0xFFFFFFFFu, top == 0 || top + kUnitSlack < unit);
-    const uint32_t zero = __ballot_sync(0xFFFFFFFFu, top == 0);
-    const uint32_t mine = 0xFFFFu << (16 * (t.lane / 16));
-    leaves = leaves || (above & mine) != 0 || ((below & mine) == mine && (zero & mine) != mine);
-  }
-  bool changed = alpha != 1.0f;
-  uint32_t new_units = units;
-  if (__any_sync(0xFFFFFFFFu, leaves)) {  // the uncommon path: the warp's two rows reduce their largest p s_t
-#pragma unroll
-    for (int k = 0; k < kScaleTiles; ++k) {
-#pragma unroll
-      for (int m = 8; m > 0; m /= 2) lane_max[k] = fmaxf(lane_max[k], __shfl_xor_sync(0xFFFFFFFFu, lane_max[k], m));
-      const uint32_t unit = (units >> (8 * k)) & 0xFFu, top = exponent_of(fmaxf(lane_max[k], 0.0f));
-      const bool moves = top != 0 && (top > unit + kUnitSlack || top + kUnitSlack < unit);
-      const uint32_t next = !moves ? unit : top > 253u ? 253u : top;  // 1 / R stays a normal float
-      new_units = (new_units & ~(0xFFu << (8 * k))) | (next << (8 * k));
-    }
-    changed = changed || new_units != units;
-  }
-#pragma unroll
-  for (int k = 0; k < kScaleTiles; ++k) {
-    const uint32_t unit = (new_units >> (8 * k)) & 0xFFu, old_unit = (units >> (8 * k)) & 0xFFu;
-    const float inv_r = __uint_as_float((254u - unit) << 23);  // 1 / 2^(E - 127), exact
-    *reinterpret_cast<uint2*>(p_tiles + k * kRawPBytes + row * kRawPRowBytes + 2 * position) =
-        make_uint2(pack_elems<ActType::kF16>(ps[k][0] * inv_r, ps[k][1] * inv_r),
-                   pack_elems<ActType::kF16>(ps[k][2] * inv_r, ps[k][3] * inv_r));
-    if (t.lane % 16 == 0) factors[k][row] = unit == old_unit ? alpha : times_pow2(alpha, int(old_unit) - int(unit));
-  }
-  units = new_units;
-  return changed;
-}
-
-// ---- fp8_attention_kernel and ds_attention_kernel: one loop ----
-
-// Plain fp8's per-row values: the softmax's, the alphas by tile parity (P.V of tile i - 1 reads
-// its alphas while the softmax of tile i writes its own).
+// The per-row values: the softmax's, the alphas by tile parity (P.V of tile i - 1 reads its alphas
+// while the softmax of tile i writes its own).
 struct Fp8Stats {
   RowStats by_parity[2];  // the rows' max and sum at the end in by_parity[0]
 };
 
 // Where everything lives in dynamic shared memory: kRawStages raw stages, the logits, the P tiles
-// by tile parity (fp8_ds_mla: one P'_t per scale tile), fp8_ds_mla's tile scales, the tiles' rows,
-// the mbarriers, the per-row values (Fp8Stats or DsStats), the query tile.
-template <CacheFormat kFormat>
-struct RawLayout {
-  static constexpr bool kDsMla = kFormat == CacheFormat::kFp8DsMla;
-  static constexpr TokenOrder kOrder = kDsMla ? TokenOrder::kDsMla : TokenOrder::kFp8;  // of a tile's tokens
-  using Stats = std::conditional_t<kDsMla, DsStats, Fp8Stats>;
-  static constexpr int kPTiles = kDsMla ? kScaleTiles : 1;  // a tile's P (fp8_ds_mla: its P'_t)
-  static constexpr int kEntryBytes = kDsMla ? kDsMlaEntryBytes : kEntry;
-  static constexpr int kStageBytes = kTileTokens * kEntryBytes;
-  static constexpr int kRaw = 0;                                                  // [kRawStages][64][kEntryBytes]
+// by tile parity, the tiles' rows, the mbarriers, the per-row values, the query tile.
+struct Fp8Layout {
+  static constexpr int kStageBytes = kTileTokens * kEntry;
+  static constexpr int kRaw = 0;                                                  // [kRawStages][64][kEntry]
   static constexpr int kScores = kRaw + kRawStages * kStageBytes;                 // float [half][16][kScoreStride]
-  static constexpr int kP = kScores + kColumnHalves * kTileRows * kScoreStride * 4;  // [parity][kPTiles][16][kRawPRowBytes]
-  static constexpr int kTileScales = kP + 2 * kPTiles * kRawPBytes;  // fp8_ds_mla: float [kScaleTiles][64]
-  static constexpr int kEntries = kTileScales + (kDsMla ? kScaleTiles * kTileTokens * 4 : 0);  // int64 [kRawStages][64]
+  static constexpr int kP = kScores + kColumnHalves * kTileRows * kScoreStride * 4;  // [parity][16][kRawPRowBytes]
+  static constexpr int kEntries = kP + 2 * kRawPBytes;                            // int64 [kRawStages][64]
   static constexpr int kBarriers = kEntries + kRawStages * kTileTokens * 8;       // uint64 [kRawStages]
-  static constexpr int kStats = kBarriers + 8 * kRawStages;                       // Stats
-  static constexpr int kQ = kStats + (int(sizeof(Stats)) + 15) / 16 * 16;        // [16][kRowBytes]
+  static constexpr int kStats = kBarriers + 8 * kRawStages;                       // Fp8Stats
+  static constexpr int kQ = kStats + (int(sizeof(Fp8Stats)) + 15) / 16 * 16;     // [16][kRowBytes]
   static constexpr int kBytes = kQ + kTileRows * kRowBytes;
   static_assert(kStageBytes % 16 == 0 && kScores % 16 == 0 && kP % 16 == 0 && kEntries % 16 == 0 && kQ % 16 == 0);
   static_assert(kBytes <= 232448, "more than sm_90's 227 KB of shared memory per block");
@@ -1573,22 +1329,13 @@ struct RawLayout {
                 "the output rows are staged over the stages");
 };
 
-__device__ __forceinline__ RowStats& row_stats(Fp8Stats& stats) { return stats.by_parity[0]; }
-__device__ __forceinline__ RowStats& row_stats(DsStats& stats) { return stats.rows; }
-
-// One CTA's work for sequence b at S_q = 1 (attend's CTA and split). Tile i: [P.V of tile i - 1]
-// QK^T of tile i | barrier | softmax of tile i [P.V of tile i - 1, kPvWithSoftmax] | barrier;
-// tile i + 2 issued at the top, into the stage of tile i - 2. The P tiles and the rows' factors
-// are kept by tile parity, so that either place of P.V reads tile i - 1's while the softmax
-// writes tile i's.
-template <CacheFormat kFormat>
-__device__ void attend_raw(const DecodeAttention& a, int64_t b, const Scales& scales, uint8_t* smem) {
-  using L = RawLayout<kFormat>;
-  constexpr bool kDsMla = L::kDsMla;
-  // Where P.V of tile i - 1 runs: at the top of iteration i (plain fp8), or after the softmax of
-  // tile i, in its barrier interval (fp8_ds_mla, whose softmax is longer). Each was measured both
-  // ways on the H200 (2026-12-02): plain fp8 213 us at the top against 220; ds 341 against 349.
-  constexpr bool kPvWithSoftmax = kDsMla;
+// One CTA's work for sequence b at S_q = 1 (attend's CTA and split). Tile i: P.V of tile i - 1,
+// QK^T of tile i | barrier | softmax of tile i | barrier; tile i + 2 issued at the top, into the
+// stage of tile i - 2. The P tiles and the rows' alphas are kept by tile parity, so that P.V reads
+// tile i - 1's while the softmax writes tile i's.
+__device__ void attend_fp8(const DecodeAttention& a, int64_t b, const Scales& scales, uint8_t* smem) {
+  using L = Fp8Layout;
+  constexpr CacheFormat kFormat = CacheFormat::kFp8;
   const int64_t len = a.context_len(b);
   const Work w = split_work(a, b, int64_t(blockIdx.y) * kTileRows, blockIdx.x, len, len);
   if (a.num_splits > 1 && w.first >= len) return;  // not a live split: the combine skips it
@@ -1603,10 +1350,9 @@ __device__ void attend_raw(const DecodeAttention& a, int64_t b, const Scales& sc
   uint8_t* q_tile = smem + L::kQ;
   float* scores = reinterpret_cast<float*>(smem + L::kScores);
   uint8_t* p_tiles = smem + L::kP;
-  float* tile_scales = reinterpret_cast<float*>(smem + L::kTileScales);  // fp8_ds_mla
   int64_t* tile_rows = reinterpret_cast<int64_t*>(smem + L::kEntries);  // [tile % kRawStages][token]
   uint64_t* stage_full = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
-  typename L::Stats& stats = *reinterpret_cast<typename L::Stats*>(smem + L::kStats);
+  Fp8Stats& stats = *reinterpret_cast<Fp8Stats*>(smem + L::kStats);
   const auto stage = [&](int s) { return raw + s * L::kStageBytes; };
   const auto issue = [&](int s) {  // threads 0-63: the tile whose rows are in slot s, to stage s
     if (threadIdx.x < kTileTokens)
@@ -1618,29 +1364,16 @@ __device__ void attend_raw(const DecodeAttention& a, int64_t b, const Scales& sc
     for (int s = 0; s < kRawStages; ++s) mbarrier_init(stage_full + s, kTileTokens);
     mbarrier_init_fence();
   }
-  if constexpr (kDsMla)
-    if (threadIdx.x < kTileRows) stats.q_max_bits[threadIdx.x] = 0;
   uint4 q_fetched[kQChunksPerThread];
   fetch_q<ActType::kF16>(a, b, w.row0, q_fetched);
   if (threadIdx.x < kRawStages * kTileTokens)
     tile_rows[threadIdx.x] = tile_token_row(a, w, threadIdx.x / kTileTokens, threadIdx.x % kTileTokens);
-  __syncthreads();  // the rows of the first tiles and the mbarriers (fp8_ds_mla: the zeroed maxima) are ready
+  __syncthreads();  // the rows of the first tiles and the mbarriers are ready
   JKM_PHASE_AT(1);
 #pragma unroll
   for (int s = 0; s < kRawStages; ++s)
     if (s < w.n_tiles) issue(s);
-  if constexpr (kDsMla) {
-    ds_q_row_max(a, q_fetched, stats);
-    __syncthreads();
-    if (threadIdx.x < kTileRows) {  // the prescale 2^-k puts the row's largest latent value in [2^14, 2^15)
-      const uint32_t e = exponent_of(__int_as_float(stats.q_max_bits[threadIdx.x]));
-      stats.q_unscale[threadIdx.x] = e == 0 || e == 0xFF ? 1.0f : ldexpf(1.0f, max(int(e) - 127 - 14, -126));
-    }
-    __syncthreads();
-    ds_store_q(a, q_fetched, stats, q_tile);
-  } else {
-    store_q<kFormat, ActType::kF16>(a, q_fetched, q_tile);
-  }
+  store_q<kFormat, ActType::kF16>(a, q_fetched, q_tile);
   __syncthreads();  // the query tile is complete
   using QL = Layout<kFormat>;  // its column halves and Q fragments are attention_kernel's
   constexpr int kHalfBlock = QL::kHalfStep / 4;
@@ -1649,108 +1382,71 @@ __device__ void attend_raw(const DecodeAttention& a, int64_t b, const Scales& sc
     load_q_fragments<0, QL::kHalfStep>(t, q_tile, q);
   else
     load_q_fragments<QL::kHalfStep, kQkSteps - QL::kHalfStep>(t, q_tile, q);
-  float unscale[2] = {1.0f, 1.0f};  // fp8_ds_mla: rows g and g + 8's
-  if constexpr (kDsMla) unscale[0] = stats.q_unscale[t.g], unscale[1] = stats.q_unscale[t.g + 8];
   uint32_t parity = 0;  // bit s: the phase of stage s's mbarrier that the next wait expects
   JKM_PHASE_AT(2);
 
   float out[kOutBlocks][4] = {};
   RowState state;  // of row softmax_row(t)
-  uint32_t units = 0x7F7F7F7Fu;  // fp8_ds_mla: the row's E_t a byte (R_t = 1 for every scale tile)
-  const int scale_tile = kDsMla ? t.warp / 2 : 0;  // this warp's P tile
   const int lookup_token = int(threadIdx.x) - kTileTokens;  // warps 2-3 look the rows of later tiles up
   const bool looks_up = lookup_token >= 0 && lookup_token < kTileTokens;
   int slot = 0;  // tile % kRawStages
-  bool rescale = false;  // some row's factor (alpha) of the last tile is not 1 (a NaN one is not 1)
-  // out += P V of tile `done` (in stage `done_slot`), after out *= its rows' factors unless all are 1.
+  bool rescale = false;  // some row's alpha of the last tile is not 1 (a NaN one is not 1)
+  // out += P V of tile `done` (in stage `done_slot`), after out *= its rows' alphas unless all are 1.
   const auto pv = [&](int64_t done, int done_slot) {
     const int done_parity = int(done & 1);
     if (rescale) {
-      const float* factors;  // fp8_ds_mla: this warp's scale tile's
-      if constexpr (kDsMla) factors = stats.factor[done_parity][scale_tile];
-      else factors = stats.by_parity[done_parity].alpha;
-      const float factor[2] = {factors[t.g], factors[t.g + 8]};
+      const float* alphas = stats.by_parity[done_parity].alpha;
+      const float alpha[2] = {alphas[t.g], alphas[t.g + 8]};
 #pragma unroll
       for (int n = 0; n < kOutBlocks; ++n)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) out[n][i] *= factor[i >> 1];
+        for (int i = 0; i < 4; ++i) out[n][i] *= alpha[i >> 1];
     }
     uint32_t p[kPvSteps][4];
-    load_p_fragments<kRawPRowBytes>(t, p_tiles + (done_parity * L::kPTiles + scale_tile) * kRawPBytes, p);
-    pv_accumulate_fp8<L::kEntryBytes, L::kOrder>(t, p, stage(done_slot), out);
+    load_p_fragments<kRawPRowBytes>(t, p_tiles + done_parity * kRawPBytes, p);
+    pv_accumulate_fp8<kEntry, TokenOrder::kFp8>(t, p, stage(done_slot), out);
   };
   for (int64_t tile = 0;; ++tile) {
     const int prev = (slot + kRawStages - 1) % kRawStages, before = (slot + kRawStages - 2) % kRawStages;
     // Tile + 2 goes to the stage of tile - 2, whose P.V ended before the last barrier.
     if (tile >= 2 && tile + 2 < w.n_tiles) issue(before);
-    if (!kPvWithSoftmax && tile > 0) pv(tile - 1, prev);
-    if (tile == w.n_tiles) {
-      if (kPvWithSoftmax && tile > 0) pv(tile - 1, prev);
-      break;
-    }
+    if (tile > 0) pv(tile - 1, prev);
+    if (tile == w.n_tiles) break;
     mbarrier_wait(stage_full + slot, (parity >> slot) & 1);
     JKM_TILE_AT(tile);
     parity ^= 1u << slot;
     const int64_t row_ahead = looks_up ? tile_token_row(a, w, tile + kRawStages, lookup_token) : -1;
     float logits[2][2][4] = {};
-    if constexpr (kDsMla) {
-      float acc[3][2][4] = {};
-      if (t.half == 0)
-        qk_tile_ds<0, kHalfBlock, QL::kQSteps>(t, q, stage(slot), acc);
-      else
-        qk_tile_ds<kHalfBlock, kEntry / 64 - kHalfBlock, QL::kQSteps>(t, q, stage(slot), acc);
-      ds_combine_logits(t, stage(slot), acc, unscale, logits, tile_scales);
-    } else {
-      bool nan[2];  // unused: the f16 conversion keeps NaN
-      if (t.half == 0)
-        qk_tile_raw<kFormat, ActType::kF16, 0, kHalfBlock, QL::kQSteps, true>(t, q, stage(slot), nullptr, logits, nan);
-      else
-        qk_tile_raw<kFormat, ActType::kF16, kHalfBlock, kEntry / 64 - kHalfBlock, QL::kQSteps, true>(
-            t, q, stage(slot), nullptr, logits, nan);
-    }
+    bool nan[2];  // unused: the f16 conversion keeps NaN
+    if (t.half == 0)
+      qk_tile_raw<kFormat, ActType::kF16, 0, kHalfBlock, QL::kQSteps, true>(t, q, stage(slot), nullptr, logits, nan);
+    else
+      qk_tile_raw<kFormat, ActType::kF16, kHalfBlock, kEntry / 64 - kHalfBlock, QL::kQSteps, true>(
+          t, q, stage(slot), nullptr, logits, nan);
     const uint32_t no_nan[2] = {0, 0};  // the f16 conversion keeps NaN
-    write_logits<L::kOrder>(t, logits, no_nan, tile_rows + slot * kTileTokens, w.first + tile * kTileTokens,
-                            scales.logit, scores + t.half * kTileRows * kScoreStride);
+    write_logits<TokenOrder::kFp8>(t, logits, no_nan, tile_rows + slot * kTileTokens, w.first + tile * kTileTokens,
+                                   scales.logit, scores + t.half * kTileRows * kScoreStride);
     __syncthreads();  // the logits are complete
     if (looks_up) tile_rows[slot * kTileTokens + lookup_token] = row_ahead;
     const int p_parity = int(tile & 1);
-    uint8_t* p_tile = p_tiles + p_parity * L::kPTiles * kRawPBytes;
-    bool changed;
-    if constexpr (kDsMla)
-      changed = ds_softmax_rows(t, scores, tile_scales, p_tile, state, units, stats.factor[p_parity]);
-    else
-      changed = softmax_rows<ActType::kF16, kRawPRowBytes, false>(t, scores, p_tile, state,
-                                                                  stats.by_parity[p_parity]) != 1.0f;
-    if (kPvWithSoftmax && tile > 0) pv(tile - 1, prev);  // its P tile and factors are the other parity's
-    rescale = __syncthreads_or(changed);  // the P tiles and the rows' factors are complete
+    const bool changed = softmax_rows<ActType::kF16, kRawPRowBytes, false>(
+                             t, scores, p_tiles + p_parity * kRawPBytes, state, stats.by_parity[p_parity]) != 1.0f;
+    rescale = __syncthreads_or(changed);  // the P tile and the rows' alphas are complete
     slot = slot + 1 == kRawStages ? 0 : slot + 1;
   }
   JKM_PHASE_AT(4);
-  publish_row_state(t, state, row_stats(stats));
-  if constexpr (kDsMla)
-    if (t.lane % 16 == 0)
-#pragma unroll
-      for (int k = 0; k < kScaleTiles; ++k)
-        stats.unit[k][softmax_row(t)] = __uint_as_float(((units >> (8 * k)) & 0xFFu) << 23);
+  publish_row_state(t, state, stats.by_parity[0]);
   __syncthreads();
   JKM_PHASE_AT(5);
-  const float* unit = nullptr;  // fp8_ds_mla: out's unit R of this warp's scale tile, per row
-  if constexpr (kDsMla) unit = stats.unit[scale_tile];
-  write_rows<true>(a, w, t, scales, row_stats(stats), out, reinterpret_cast<float*>(raw), unit);
+  write_rows<true>(a, w, t, scales, stats.by_parity[0], out, reinterpret_cast<float*>(raw));
 }
 
 __global__ void __launch_bounds__(kThreads, 1) fp8_attention_kernel(const DecodeAttention a) {
   extern __shared__ __align__(1024) uint8_t smem[];
   JKM_PHASE_AT(0);
   const Scales scales = load_scales<CacheFormat::kFp8>(a);
-  for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) attend_raw<CacheFormat::kFp8>(a, b, scales, smem);
+  for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) attend_fp8(a, b, scales, smem);
   JKM_PHASE_AT(6);
-}
-
-__global__ void __launch_bounds__(kThreads, 1) ds_attention_kernel(const DecodeAttention a) {
-  extern __shared__ __align__(1024) uint8_t smem[];
-  const Scales scales = load_scales<CacheFormat::kFp8DsMla>(a);
-  for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) attend_raw<CacheFormat::kFp8DsMla>(a, b, scales, smem);
 }
 
 // ---- rs_attention_kernel (fp8_ds_mla at S_q = 1, sm_90a): the tokens as M, A from registers ----
@@ -1767,11 +1463,11 @@ __global__ void __launch_bounds__(kThreads, 1) ds_attention_kernel(const DecodeA
 //   k-steps of f16, A = the E4M3 codes of a thread's two tokens (rs_token), 16-byte shared loads
 //   converted in registers (cvt.rn.f16x2.e4m3x2, exact), one accumulator per 128-column scale
 //   tile, its scale applied to the partial logits in float32; k_pe: 4 bf16 k-steps, A = the raw
-//   bf16 values. B = the query tile in shared memory (f16 latent with ds_attention_kernel's
-//   per-row power-of-two prescale; bf16 k_pe), 128-byte swizzled, its columns permuted to the
+//   bf16 values. B = the query tile in shared memory (f16 latent with a per-row power-of-two
+//   prescale; bf16 k_pe), 128-byte swizzled, its columns permuted to the
 //   order in which the A fragments hold them (rs_q_kstep). So Q takes no registers, and no
-//   converted K or V tile goes through shared memory (the traffic that bounded
-//   wgmma_attention_kernel: docs/DECODE_ATTENTION.md, Tenth round).
+//   converted K or V tile goes through shared memory (the traffic that bounded an earlier wgmma
+//   kernel with converter warps: docs/DECODE_ATTENTION.md, Ninth and Tenth rounds).
 // - Softmax against a reference per query row that the warpgroup shares (base 2; p = 2^(logit -
 //   ref) in float32): a tile whose logits plus log2 of their token's largest scale all stay within
 //   kRsSlack of it needs one named barrier (an OR vote, which also publishes P'); otherwise the
@@ -1792,7 +1488,42 @@ constexpr int kRsGroups = 2;
 constexpr int kRsStages = 4;
 constexpr int kRsMinSplitTiles = 4;  // the default from this many tiles a split (choose_kernel)
 constexpr float kRsSlack = 8.0f;  // log2 units: P' values up to 2^8 before the reference moves
+constexpr int kScaleTiles = kLatent / kDsMlaTile;  // 4
 static_assert(kRsGroups * 128 == kThreads && kScaleTiles == 4 && kTileRows == 16);
+
+// The query prescale: the latent q meets the codes in f16 MMAs, so each query row is stored times
+// a power of two 2^-k that puts its largest latent value in [2^14, 2^15) (exact for every value
+// within 2^29 of it), and its logits are multiplied back by 2^k.
+struct QPrescale {
+  float q_unscale[kTileRows];  // 2^k: the row's latent q was stored times 2^-k
+  int q_max_bits[kTileRows];   // the row's largest |latent q| (float bits), for the prescale
+};
+
+// Element `half` of a pair of q (f16 or bf16), as a float.
+__device__ __forceinline__ float chunk_elem(const DecodeAttention& a, uint32_t word, int half) {
+  const uint16_t h = uint16_t(word >> (16 * half));
+  return a.q_type == QType::kF16 ? __half2float(__ushort_as_half(h)) : bf16_to_f32(h);
+}
+
+// The largest |latent q| of each row among fetch_q's chunks, into stats.q_max_bits (zeroed before).
+__device__ __forceinline__ void q_row_max_bits(const DecodeAttention& a, const uint4 (&fetched)[kQChunksPerThread],
+                                               QPrescale& stats) {
+  constexpr int kChunksPerRow = kEntry / 8;
+#pragma unroll
+  for (int i = 0; i < kQChunksPerThread; ++i) {
+    const int c = int(threadIdx.x) + i * kThreads, r = c / kChunksPerRow;
+    if (c >= kQChunks) break;
+    if (c - r * kChunksPerRow >= kLatent / 8) continue;  // k_pe: no prescale
+    const uint32_t words[4] = {fetched[i].x, fetched[i].y, fetched[i].z, fetched[i].w};
+    float m = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(chunk_elem(a, words[j / 2], j % 2)));  // NaN skipped
+    atomicMax(&stats.q_max_bits[r], __float_as_int(m));  // nonnegative floats order as their bits
+  }
+}
+
+// The exponent field of a nonnegative float (0 for zero and subnormals, 255 for NaN).
+__device__ __forceinline__ uint32_t exponent_of(float x) { return (__float_as_uint(x) >> 23) & 0xFFu; }
 
 struct RsLayout {
   static constexpr int kStageBytes = kTileTokens * kDsMlaEntryBytes;            // 41,984
@@ -1804,8 +1535,8 @@ struct RsLayout {
   static constexpr int kRef = kMax + kRsGroups * 4 * kTileRows * 4;             // float [group][16]: the end's max
   static constexpr int kMasks = kRef + kRsGroups * kTileRows * 4;               // uint32 [stage][2]: live tokens
   static constexpr int kBarriers = kMasks + kRsStages * 8;                      // uint64 full[stages], empty[stages]
-  static constexpr int kStats = kBarriers + 2 * kRsStages * 8;                  // DsStats: the q prescale
-  static constexpr int kLse = kStats + (int(sizeof(DsStats)) + 15) / 16 * 16;   // float [16]: a cluster's rows
+  static constexpr int kStats = kBarriers + 2 * kRsStages * 8;                  // QPrescale
+  static constexpr int kLse = kStats + (int(sizeof(QPrescale)) + 15) / 16 * 16; // float [16]: a cluster's rows
   static constexpr int kBytes = kLse + kTileRows * 4;
   // At the end, over the stages: the staged output rows, and warpgroup 1's out; over the P tiles,
   // a cluster merge's weights.
@@ -1838,7 +1569,7 @@ __host__ __device__ constexpr int rs_qpe_kstep(int col) {
 
 // The query tile from fetch_q's chunks: latent as f16 times the row's prescale, k_pe as bf16.
 __device__ __forceinline__ void rs_store_q(const DecodeAttention& a, const uint4 (&fetched)[kQChunksPerThread],
-                                           const DsStats& stats, uint8_t* q_tile, uint8_t* qpe_tile) {
+                                           const QPrescale& stats, uint8_t* q_tile, uint8_t* qpe_tile) {
   constexpr int kChunksPerRow = kEntry / 8;
 #pragma unroll
   for (int i = 0; i < kQChunksPerThread; ++i) {
@@ -1939,7 +1670,7 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
   uint32_t* masks = reinterpret_cast<uint32_t*>(smem + L::kMasks);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
   uint64_t* empty = full + kRsStages;
-  DsStats& stats = *reinterpret_cast<DsStats*>(smem + L::kStats);
+  QPrescale& stats = *reinterpret_cast<QPrescale*>(smem + L::kStats);
   const auto stage = [&](int s) { return raw + s * L::kStageBytes; };
   const int tid = int(threadIdx.x), warp = uniform_warp_index(), lane = tid % 32;
   const int group = warp / 4, wq = warp % 4, g = lane / 4, c = lane % 4, gtid = tid % 128;
@@ -1962,9 +1693,9 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
   __syncthreads();  // the mbarriers and the zeroed maxima are ready
   JKM_PHASE_AT(1);
   if (tid / kTileTokens < w.n_tiles) issue(tid / kTileTokens, first_row, tid % kTileTokens);
-  ds_q_row_max(a, q_fetched, stats);
+  q_row_max_bits(a, q_fetched, stats);
   __syncthreads();
-  if (tid < kTileRows) {  // as ds_attention_kernel: the row's largest latent value in [2^14, 2^15)
+  if (tid < kTileRows) {  // the prescale 2^-k puts the row's largest latent value in [2^14, 2^15)
     const uint32_t e = exponent_of(__int_as_float(stats.q_max_bits[tid]));
     stats.q_unscale[tid] = e == 0 || e == 0xFF ? 1.0f : ldexpf(1.0f, max(int(e) - 127 - 14, -126));
   }
@@ -2340,504 +2071,6 @@ __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const Decod
       a.lse[b * rows + r] = empty ? -INFINITY : (row_max == -INFINITY ? 0.0f : row_max) + logf(total_weight);
     __syncthreads();  // the next sequence's sums go where these were read
   }
-}
-
-// ---- sm_90a, the 1-byte formats at S_q = 1: warp roles and wgmma with the tokens as M ----
-//
-// wgmma_attention_kernel, grid and partials as attention_kernel's (one CTA per SM, 16 query rows
-// and the tokens of one split), for plain fp8 and fp8_ds_mla when S_q = 1, on an sm_90 GPU, where
-// asked for (choose_kernel): correct, not yet faster. The mma.sync kernel above is bound by
-// the chain of its phases across eight warps and three barriers (2.0-2.5 us a tile), which the
-// 1-byte formats' bytes (1.0-1.2 us a tile at HBM speed) do not hide. Here the phases have their
-// own warps and hand tiles over by mbarriers, with no CTA-wide barrier:
-// - the converter warpgroups (8 warps) load each raw tile's codes into registers, let warp 0
-//   reissue the stage for the tile two ahead (its rows looked up a tile earlier, one bulk copy
-//   per run of consecutive rows), and write the tile as nine 64-column chunks of the 16-bit
-//   element type (mma_type), 128-byte swizzled, masked tokens zero: E4M3 codes exactly, ds_mla
-//   codes times their tile scale, ds_mla k_pe as it is. The chunks go to a ring of 15 slots, on a
-//   full and an empty mbarrier per slot, so the converter can run 6 chunks ahead of the consumer;
-// - the consumer warpgroup computes S^T = K Q^T (36 wgmma m64n16k16: A = the chunks, K-major,
-//   B = the 16-row query tile), the online softmax over the tokens (a row's max crosses the four
-//   warps through shared memory), writes P^T to a 16 x 64 P tile, and O^T += V^T P^T (8 latent
-//   blocks of 64 x 4 k-steps, A = the first 8 chunks read MN-major), committed a block at a time
-//   so that each slot is handed back once its block is done.
-// At S_q = 1 every row sees the same tokens, so masking is per token (a zero row and a -inf
-// logit) and no partly-seen token exists; S_q > 1 stays on the mma.sync kernel. A NaN in a
-// visible token reaches every row, as in any attention. The tile layouts and descriptors were
-// checked on the H200 by benchmarks/probes/wgmma_layouts.cu, the loop's speed by
-// wgmma_tile_loop.cu; benchmarks/probes/decode_attention.cu runs this kernel against the other.
-
-// Phase stamps of the roles, for benchmarks/probes/decode_attention.cu built with -DJKM_WG_TRACE
-// (which defines this to record clock64 for CTA 0); nothing otherwise.
-#ifndef JKM_WG_TRACE_AT
-#define JKM_WG_TRACE_AT(tile, point)
-#endif
-constexpr int kWgConsumers = 128;                               // warpgroup 0
-constexpr int kWgConverters = 256;                              // warpgroups 1 and 2
-constexpr int kWgThreads = kWgConsumers + kWgConverters;
-constexpr int kWgRawStages = 2;
-constexpr int kWgChunks = kEntry / 64;  // 64-column chunks of a 16-bit tile
-// The converted chunks live in a ring of slots: tile i's chunk c is the CTA's chunk 9i + c, in
-// slot (9i + c) % kWgSlots. With 15 slots the converter runs up to 6 chunks ahead of the tile
-// the consumer is on, so that converting tile i + 1 overlaps the softmax and P.V of tile i.
-constexpr int kWgSlots = 15;
-constexpr int kWgGroup = 3;  // chunks handed over at once, behind one proxy fence
-constexpr int kWgStagedChunks = 4;  // the last tile's chunks the output rows are staged over (4 rows each)
-
-template <CacheFormat kFormat>
-struct WgLayout {
-  static_assert(kFormat != CacheFormat::kBf16, "the 1-byte formats");
-  static constexpr int kEntryBytes = Layout<kFormat>::kEntryBytes;
-  static constexpr int kRawTileBytes = kTileTokens * kEntryBytes;
-  static constexpr int kRing = 0;                                     // [kWgSlots][64 rows][128 B]
-  static constexpr int kQ = kRing + kWgSlots * kChunkBytes;           // [9 chunks][16 rows][128 B]
-  static constexpr int kP = kQ + kWgChunks * kTileRows * 128;         // [16 rows][128 B]
-  static constexpr int kRaw = kP + kTileRows * 128;                   // [kWgRawStages][kRawTileBytes]
-  static constexpr int kRows = kRaw + kWgRawStages * kRawTileBytes;   // int64 [kWgRawStages][64]
-  static constexpr int kLive = kRows + kWgRawStages * kTileTokens * 8;  // uint64 [2]: live tokens by tile parity
-  static constexpr int kRowMax = kLive + 16;                          // float [2 parities][4 warps][16]
-  static constexpr int kRowSum = kRowMax + 2 * 4 * kTileRows * 4;     // float [4 warps][16]
-  static constexpr int kBarriers = kRowSum + 4 * kTileRows * 4;       // uint64, in the order below
-  static constexpr int kRawFull = 0, kSlotFull = kWgRawStages,
-                       kSlotEmpty = kSlotFull + kWgSlots, kBarrierCount = kSlotEmpty + kWgSlots;
-  static constexpr int kBytes = kBarriers + kBarrierCount * 8;
-  static_assert(kQ % 1024 == 0 && kP % 1024 == 0 && kRaw % 16 == 0 && kRows % 16 == 0 && kBarriers % 8 == 0);
-  static_assert(kBytes <= 232448, "more than sm_90's 227 KB of shared memory per block");
-};
-
-// The slot of the CTA's chunk g, and the phase parity of its use there.
-__device__ __forceinline__ int wg_slot(int64_t g) { return int(g % kWgSlots); }
-__device__ __forceinline__ uint32_t wg_use_parity(int64_t g) { return uint32_t(g / kWgSlots) & 1; }
-
-// The tokens CTA (blockIdx.x, blockIdx.y) covers of sequence b at S_q = 1 (attend's rules), or
-// false for a split past the length, which writes nothing (the combine skips it).
-__device__ __forceinline__ bool wg_work(const DecodeAttention& a, int64_t b, Work& w) {
-  const int64_t len = a.context_len(b);
-  w = split_work(a, b, int64_t(blockIdx.y) * kTileRows, blockIdx.x, len, len);
-  return a.num_splits == 1 || w.first < len;
-}
-
-// A walk over the CTA's tiles: its sequences (blockIdx.z, + gridDim.z, ...) that have tokens in
-// its split, tile by tile; b >= a.batch once past the last.
-struct WgCursor {
-  int64_t b, tile;
-  Work w;
-};
-
-__device__ __forceinline__ void wg_seek(const DecodeAttention& a, WgCursor& t) {  // from sequence t.b on
-  for (t.tile = 0; t.b < a.batch; t.b += gridDim.z)
-    if (wg_work(a, t.b, t.w) && t.w.n_tiles > 0) return;
-}
-__device__ __forceinline__ WgCursor wg_first_tile(const DecodeAttention& a) {
-  WgCursor t;
-  t.b = blockIdx.z;
-  wg_seek(a, t);
-  return t;
-}
-__device__ __forceinline__ void wg_next_tile(const DecodeAttention& a, WgCursor& t) {
-  if (++t.tile < t.w.n_tiles) return;
-  t.b += gridDim.z;
-  wg_seek(a, t);
-}
-
-// The cache rows of tile t's 64 tokens (lane l: tokens l and l + 32), loaded a tile early so
-// that their latency hides behind a conversion.
-__device__ __forceinline__ void wg_lookup(const DecodeAttention& a, const WgCursor& t, int lane, int64_t (&row)[2]) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) row[h] = tile_token_row(a, t.w, t.tile, lane + 32 * h);
-}
-
-// One warp lands a tile's rows in raw stage s: the rows to the stage's row table, then one bulk
-// copy per run of rows, on the stage's full mbarrier (one arrival, announcing every live token's
-// bytes).
-template <CacheFormat kFormat>
-__device__ __forceinline__ void wg_issue(const DecodeAttention& a, uint8_t* smem, int s, const int64_t (&row)[2],
-                                         int lane) {
-  using L = WgLayout<kFormat>;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBarriers) + L::kRawFull + s;
-  int64_t* table = reinterpret_cast<int64_t*>(smem + L::kRows) + s * kTileTokens;
-  int live = 0;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    table[lane + 32 * h] = row[h];
-    live += __popc(__ballot_sync(0xFFFFFFFFu, row[h] >= 0));
-  }
-  __syncwarp();  // the table's rows precede the arrival that publishes them
-  if (lane == 0) mbarrier_arrive_expect_bytes(full, uint32_t(live) * L::kEntryBytes);
-  uint8_t* stage = smem + L::kRaw + s * L::kRawTileBytes;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const uint32_t bytes = run_bytes<L::kEntryBytes>(a, row[h], lane);
-    if (bytes != 0) bulk_copy(stage + (lane + 32 * h) * L::kEntryBytes, a.cache + row[h] * a.row_bytes, bytes, full);
-  }
-}
-
-__device__ __forceinline__ void wg_converter_sync() { named_barrier_sync<2, kWgConverters>(); }
-
-// The converter warpgroups (thread ct of 256): each raw tile to its nine 16-bit chunks in the
-// ring, and (warp 0) the copies of the tile two ahead into the stage just converted. Thread ct
-// writes 16-byte piece ct % 8 of rows ct / 8 and ct / 8 + 32 of every chunk, from codes it loads
-// all at once, so the 8 lanes of a row see all of its columns: where the element conversion does
-// not keep NaN (bf16 elements), they or their codes' NaN flags and make the row's last chunk
-// (k_pe, or the last 64 codes) NaN, which makes its logit NaN for every query row, as a NaN in K
-// would; its +-480 stand-ins in V are then weighed by nothing but NaN.
-template <CacheFormat kFormat, ActType kElem>
-__device__ void wg_convert(const DecodeAttention& a, uint8_t* smem, int ct) {
-  using L = WgLayout<kFormat>;
-  constexpr bool kDsMla = kFormat == CacheFormat::kFp8DsMla;
-  constexpr bool kTracksNan = !placed_keeps_nan<kElem>();
-  constexpr int kCodeChunks = kDsMla ? kWgChunks - 1 : kWgChunks;  // ds_mla's last chunk is k_pe
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
-  const int64_t* table = reinterpret_cast<const int64_t*>(smem + L::kRows);
-  uint64_t* live_mask = reinterpret_cast<uint64_t*>(smem + L::kLive);
-  const int piece = ct % 8;
-  const bool issuer = ct < 32;  // converter warp 0
-  // `ahead` is the next tile to issue, its rows already loaded (row_ahead): a stage is reissued
-  // as soon as its codes are in registers, and the lookups are a tile ahead of that.
-  WgCursor tile = wg_first_tile(a), ahead = tile;
-  int64_t row_ahead[2] = {-1, -1};
-  if (issuer) {
-    for (int s = 0; s < kWgRawStages && ahead.b < a.batch; ++s, wg_next_tile(a, ahead)) {
-      wg_lookup(a, ahead, ct, row_ahead);
-      wg_issue<kFormat>(a, smem, s, row_ahead, ct);
-    }
-    if (ahead.b < a.batch) wg_lookup(a, ahead, ct, row_ahead);
-  }
-  for (int64_t i = 0; tile.b < a.batch; ++i, wg_next_tile(a, tile)) {
-    const int s = int(i % kWgRawStages);
-    JKM_WG_TRACE_AT(i, 8);
-    mbarrier_wait(bars + L::kRawFull + s, uint32_t(i / kWgRawStages) & 1);
-    JKM_WG_TRACE_AT(i, 5);
-    const uint8_t* stage = smem + L::kRaw + s * L::kRawTileBytes;
-    const int64_t* rows = table + s * kTileTokens;
-    bool live[2];
-    uint2 codes[2][kCodeChunks];
-    uint4 pe[2];
-    float scale[2][kLatent / kDsMlaTile];
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      const uint8_t* src = stage + (ct / 8 + 32 * k) * L::kEntryBytes;
-      live[k] = rows[ct / 8 + 32 * k] >= 0;
-#pragma unroll
-      for (int c = 0; c < kCodeChunks; ++c) codes[k][c] = *reinterpret_cast<const uint2*>(src + 64 * c + 8 * piece);
-      if constexpr (kDsMla) {
-        pe[k] = *reinterpret_cast<const uint4*>(src + kDsMlaPeOffset + 16 * piece);
-        const float4 sc = *reinterpret_cast<const float4*>(src + kDsMlaScaleOffset);
-        scale[k][0] = sc.x, scale[k][1] = sc.y, scale[k][2] = sc.z, scale[k][3] = sc.w;
-      }
-    }
-    uint64_t tile_live = 0;  // the consumer's mask of live tokens (converter warp 0)
-    if (issuer)
-      tile_live = __ballot_sync(0xFFFFFFFFu, rows[ct] >= 0) | uint64_t(__ballot_sync(0xFFFFFFFFu, rows[ct + 32] >= 0)) << 32;
-    wg_converter_sync();  // every converter thread has the stage's codes and rows in registers
-    if (issuer && ahead.b < a.batch) {
-      wg_issue<kFormat>(a, smem, s, row_ahead, ct);
-      wg_next_tile(a, ahead);
-      if (ahead.b < a.batch) wg_lookup(a, ahead, ct, row_ahead);
-    }
-    JKM_WG_TRACE_AT(i, 9);
-    uint32_t nan_bits[2] = {0, 0};
-#pragma unroll
-    for (int c = 0; c < kWgChunks; ++c) {
-      const int64_t g = kWgChunks * i + c;
-      if (g >= kWgSlots) mbarrier_wait(bars + L::kSlotEmpty + wg_slot(g), wg_use_parity(g - kWgSlots));
-      if (c == 0) {
-        JKM_WG_TRACE_AT(i, 6);
-        // The consumer's mask of live tokens, published with chunk 0; its last reader (the
-        // consumer, two tiles back) has released the slot just waited for.
-        if (ct == 0) live_mask[i & 1] = tile_live;
-      }
-      uint8_t* slot = smem + L::kRing + wg_slot(g) * kChunkBytes;
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        uint4 v;
-        if (c >= kCodeChunks) {
-          v = pe[k];
-        } else {
-          v = e4m3x8_placed<kElem>(codes[k][c]);
-          if (kTracksNan) nan_bits[k] |= e4m3_nan_bits(codes[k][c].x) | e4m3_nan_bits(codes[k][c].y);
-          if constexpr (kDsMla) {  // exact for the power-of-two scales the writer produces
-            const uint32_t sc = pack_elems<kElem>(scale[k][c / 2], scale[k][c / 2]);
-            v = make_uint4(mul_elems<kElem>(v.x, sc), mul_elems<kElem>(v.y, sc), mul_elems<kElem>(v.z, sc),
-                           mul_elems<kElem>(v.w, sc));
-          }
-        }
-        if (kTracksNan && c == kWgChunks - 1) {
-          bool nan = (nan_bits[k] & 0x80808080u) != 0;
-          nan |= __shfl_xor_sync(0xFFFFFFFFu, nan, 1);
-          nan |= __shfl_xor_sync(0xFFFFFFFFu, nan, 2);
-          nan |= __shfl_xor_sync(0xFFFFFFFFu, nan, 4);
-          if (nan) v = make_uint4(0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u);
-        }
-        if (!live[k]) v = make_uint4(0, 0, 0, 0);
-        *reinterpret_cast<uint4*>(slot + swizzled_offset(ct / 8 + 32 * k, piece)) = v;
-      }
-      if ((c + 1) % kWgGroup == 0 || c + 1 == kWgChunks) {
-        fence_proxy_async();  // the chunks are read by wgmma
-        for (int64_t done = g - (c % kWgGroup); done <= g; ++done) mbarrier_arrive(bars + L::kSlotFull + wg_slot(done));
-      }
-    }
-    JKM_WG_TRACE_AT(i, 7);
-  }
-}
-
-// The 16 x 576 query tile of rows row0.. of sequence b in the element type, swizzled (16-row
-// chunks), by the 128 consumer threads: all loads first, then the conversions and stores.
-template <ActType kElem>
-__device__ __forceinline__ void wg_store_q(const DecodeAttention& a, const Work& w, uint8_t* q_tile, int ct) {
-  constexpr int kPiecesPerRow = kEntry / 8, kPer = kTileRows * kPiecesPerRow / kWgConsumers;  // 9
-  static_assert(kPer * kWgConsumers == kTileRows * kPiecesPerRow);
-  const int64_t rows = a.rows();
-  uint4 v[kPer];
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    const int p = ct + j * kWgConsumers, r = p / kPiecesPerRow;
-    const int64_t elem = (w.b * rows + w.row0 + r) * kEntry + (p - r * kPiecesPerRow) * 8;
-    v[j] = make_uint4(0, 0, 0, 0);  // padding rows
-    if (w.row0 + r < rows) {
-      if (a.q_type == QType::kE4m3) {
-        const uint2 codes = __ldg(reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(a.q) + elem));
-        v[j] = make_uint4(codes.x, codes.y, 0, 0);
-      } else {
-        v[j] = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.q) + elem));
-      }
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    const int p = ct + j * kWgConsumers, r = p / kPiecesPerRow;
-    uint4 x = v[j];
-    if (a.q_type == QType::kE4m3) x = e4m3x8_exact<kElem>(make_uint2(x.x, x.y));
-    else if (kElem == ActType::kBF16 && a.q_type == QType::kF16) x = f16x8_to_bf16(x);  // f16 q, ds_mla
-    *reinterpret_cast<uint4*>(q_tile + swizzled_piece(r, p - r * kPiecesPerRow, kTileRows)) = x;
-  }
-}
-
-__device__ __forceinline__ void wg_consumer_sync() { named_barrier_sync<1, kWgConsumers>(); }
-
-// After P.V of a tile (chunks g0..): wait for its latent blocks in order and hand each chunk's
-// slot back to the converter, except, after a sequence's last tile, the chunks its output rows
-// are staged over.
-template <int kBlock = 0>
-__device__ __forceinline__ void wg_release_blocks(uint64_t* slot_empty, int64_t g0, bool staging_next) {
-  wgmma_wait<kLatent / 64 - 1 - kBlock>();
-  if (kBlock >= kWgStagedChunks || !staging_next) mbarrier_arrive(slot_empty + wg_slot(g0 + kBlock));
-  if constexpr (kBlock + 1 < kLatent / 64) wg_release_blocks<kBlock + 1>(slot_empty, g0, staging_next);
-}
-
-// The consumer warpgroup (warp w < 4, lane = 4g + c). Its accumulator element x = 4j + 2h + e of
-// a 64 x 16 block is D[16w + g + 8h][8j + 2c + e]: M is a token (S^T) or a latent column (O^T), N
-// the query row wg_row(k, c) with k = 2j + e.
-__device__ __forceinline__ int wg_row(int k, int c) { return 8 * (k >> 1) + 2 * c + (k & 1); }
-
-template <CacheFormat kFormat, ActType kElem>
-__device__ void wg_consume(const DecodeAttention& a, uint8_t* smem, const Scales& scales, int warp) {
-  using L = WgLayout<kFormat>;
-  constexpr bool kF16 = kElem == ActType::kF16;
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
-  const uint64_t* live_mask = reinterpret_cast<const uint64_t*>(smem + L::kLive);
-  float* row_max = reinterpret_cast<float*>(smem + L::kRowMax);
-  float* row_sum = reinterpret_cast<float*>(smem + L::kRowSum);
-  uint8_t* ring = smem + L::kRing;
-  uint8_t* q_tile = smem + L::kQ;
-  uint8_t* p_tile = smem + L::kP;
-  const int ct = int(threadIdx.x), lane = ct % 32, g = lane / 4, c = lane % 4;
-  const int64_t rows = a.rows();
-  int64_t i = 0;  // the CTA's tiles so far, over its sequences: the phase of every chunk barrier
-  for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) {
-    Work w;
-    if (!wg_work(a, b, w)) continue;
-    if (w.n_tiles == 0) {  // one split, no token: zeros and -inf (the staging chunks may be in use)
-      for (int p = ct; p < kTileRows * kLatent / 8; p += kWgConsumers) {
-        const int64_t r = w.row0 + p / (kLatent / 8);
-        if (r < rows)
-          store16(static_cast<uint16_t*>(a.out) + (w.b * rows + r) * kLatent + 8 * (p % (kLatent / 8)),
-                  Raw16{});
-      }
-      if (ct < kTileRows && w.row0 + ct < rows) a.lse[w.b * rows + w.row0 + ct] = -INFINITY;
-      continue;
-    }
-    wg_store_q<kElem>(a, w, q_tile, ct);
-    fence_proxy_async();  // the query tile is read by wgmma
-    wg_consumer_sync();
-
-    float o[kLatent / 64][8] = {};
-    float m_run[4], l_part[4];  // per row wg_row(k, c): the running max (base 2), this thread's sum
-#pragma unroll
-    for (int k = 0; k < 4; ++k) m_run[k] = -INFINITY, l_part[k] = 0.0f;
-    for (int64_t tile = 0; tile < w.n_tiles; ++tile, ++i) {
-      const int64_t g0 = kWgChunks * i;  // the CTA's chunk index of this tile's chunk 0
-      const auto chunk = [&](int ch) { return ring + wg_slot(g0 + ch) * kChunkBytes; };
-      // S^T in two groups of wgmmas, each issued with no branch among them (a wait loop between
-      // two wgmmas on the same accumulators makes ptxas fence them, one chunk at a time): the
-      // chunks whose slots the previous tile did not use, then the rest, which the converter
-      // writes once P.V of the previous tile hands their slots back.
-      constexpr int kEarly = kWgSlots - kWgChunks;
-      float d[8], d_late[8];
-      JKM_WG_TRACE_AT(i, 0);
-      for (int ch = 0; ch < kEarly; ++ch)
-        mbarrier_wait(bars + L::kSlotFull + wg_slot(g0 + ch), wg_use_parity(g0 + ch));
-      wgmma_fence();
-#pragma unroll
-      for (int ch = 0; ch < kEarly; ++ch)
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-          wgmma_m64n16k16<kF16, 0>(d, swizzled_descriptor(chunk(ch) + 32 * k),
-                                   swizzled_descriptor(q_tile + ch * kTileRows * 128 + 32 * k), ch + k > 0);
-      wgmma_commit();
-      for (int ch = kEarly; ch < kWgChunks; ++ch)
-        mbarrier_wait(bars + L::kSlotFull + wg_slot(g0 + ch), wg_use_parity(g0 + ch));
-      JKM_WG_TRACE_AT(i, 1);
-      wgmma_fence();
-#pragma unroll
-      for (int ch = kEarly; ch < kWgChunks; ++ch)
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-          wgmma_m64n16k16<kF16, 0>(d_late, swizzled_descriptor(chunk(ch) + 32 * k),
-                                   swizzled_descriptor(q_tile + ch * kTileRows * 128 + 32 * k), ch + k > kEarly);
-      wgmma_commit();
-      wgmma_wait<0>();
-#pragma unroll
-      for (int x = 0; x < 8; ++x) d[x] += d_late[x];
-      JKM_WG_TRACE_AT(i, 2);
-      mbarrier_arrive(bars + L::kSlotEmpty + wg_slot(g0 + kWgChunks - 1));  // k_pe is not read by P.V
-      const uint64_t live = live_mask[i & 1];
-
-      // The tile's max per row: over this thread's two tokens (h), the 8 g-lanes, then the 4 warps.
-      float mx[4];
-#pragma unroll
-      for (int x = 0; x < 8; ++x) {
-        const int token = 16 * warp + g + 8 * ((x >> 1) & 1);
-        d[x] = (live >> token) & 1 ? d[x] * scales.logit : -INFINITY;
-      }
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int j = k >> 1, e = k & 1;
-        float v = fmaxf(d[4 * j + e], d[4 * j + 2 + e]);  // fmaxf skips NaN: it propagates through p
-        v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, 4));
-        v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, 8));
-        v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, 16));
-        mx[k] = v;
-      }
-      float* slot = row_max + (i & 1) * 4 * kTileRows;
-      if (g == 0)
-#pragma unroll
-        for (int k = 0; k < 4; ++k) slot[warp * kTileRows + wg_row(k, c)] = mx[k];
-      wg_consumer_sync();
-      float alpha[4], offset[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int r = wg_row(k, c);
-        const float t = fmaxf(fmaxf(slot[r], slot[kTileRows + r]), fmaxf(slot[2 * kTileRows + r], slot[3 * kTileRows + r]));
-        const float m_new = fmaxf(m_run[k], t);
-        // A row that has seen nothing yet keeps p = 0 (exp2(-inf - 0)), never -inf - -inf.
-        offset[k] = m_new == -INFINITY ? 0.0f : m_new;
-        alpha[k] = exp2f(m_run[k] - offset[k]);
-        m_run[k] = m_new;
-      }
-      // P^T to the P tile (row r, token m at swizzled_piece(r, m / 8, 16) + 2 (m % 8)), and this
-      // thread's sums, of the probabilities before their rounding to the element type (the sums
-      // of rounded bf16 values would carry its 2^-9 bias into the lse).
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int j = k >> 1, e = k & 1, r = wg_row(k, c);
-        float sum = 0.0f;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int m = 16 * warp + g + 8 * h;
-          const float prob = exp2f(d[4 * j + 2 * h + e] - offset[k]);
-          const uint32_t pair = pack_elems<kElem>(prob, 0.0f);
-          sum += prob;
-          *reinterpret_cast<uint16_t*>(p_tile + swizzled_piece(r, m / 8, kTileRows) + 2 * (m % 8)) = uint16_t(pair);
-        }
-        l_part[k] = l_part[k] * alpha[k] + sum;
-      }
-      fence_proxy_async();  // P is read by wgmma
-      wg_consumer_sync();
-      JKM_WG_TRACE_AT(i, 3);
-
-#pragma unroll
-      for (int mb = 0; mb < kLatent / 64; ++mb)
-#pragma unroll
-        for (int x = 0; x < 8; ++x) o[mb][x] *= alpha[2 * (x >> 2) + (x & 1)];
-      wgmma_fence_after(o);
-#pragma unroll
-      for (int mb = 0; mb < kLatent / 64; ++mb) {
-#pragma unroll
-        for (int step = 0; step < kTileTokens / 16; ++step)
-          wgmma_m64n16k16<kF16, 1>(o[mb], swizzled_descriptor(chunk(mb) + step * 16 * 128),
-                                   swizzled_descriptor(p_tile + 32 * step), 1);
-        wgmma_commit();
-      }
-      wg_release_blocks(bars + L::kSlotEmpty, g0, tile + 1 == w.n_tiles);
-      JKM_WG_TRACE_AT(i, 4);
-    }
-
-    // The rows' sums (this thread's over the g-lanes, then the warps); the rows staged over the
-    // last tile's first chunks (row r in chunk r / 4: 4 rows of 512 floats a slot), then stored
-    // in whole 16-byte pieces.
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      float v = l_part[k];
-      v += __shfl_xor_sync(0xFFFFFFFFu, v, 4);
-      v += __shfl_xor_sync(0xFFFFFFFFu, v, 8);
-      v += __shfl_xor_sync(0xFFFFFFFFu, v, 16);
-      if (g == 0) row_sum[warp * kTileRows + wg_row(k, c)] = v;
-    }
-    wg_consumer_sync();
-    const int64_t last = kWgChunks * (i - 1);  // the last tile's chunk 0
-    const auto staged_row = [&](int r) {
-      return reinterpret_cast<float*>(ring + wg_slot(last + r / 4) * kChunkBytes) + (r % 4) * kLatent;
-    };
-    static_assert(kWgStagedChunks * 4 == kTileRows && 4 * kLatent * 4 == kChunkBytes, "4 rows a chunk");
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int r = wg_row(k, c);
-      const float sum = row_sum[r] + row_sum[kTileRows + r] + row_sum[2 * kTileRows + r] + row_sum[3 * kTileRows + r];
-      const bool empty = sum == 0.0f;  // saw no live token; a NaN sum is not empty
-      const float norm = empty ? 0.0f : scales.out / sum;
-      float* row = staged_row(r);
-#pragma unroll
-      for (int mb = 0; mb < kLatent / 64; ++mb)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) row[64 * mb + 16 * warp + g + 8 * h] = o[mb][4 * (k >> 1) + 2 * h + (k & 1)] * norm;
-      if (warp == 0 && g == 0 && w.row0 + r < rows) {
-        const float lse = empty ? -INFINITY : (m_run[k] + log2f(sum)) * kLn2;
-        store_lse(a, w, w.row0 + r, lse);
-      }
-    }
-    wg_consumer_sync();
-    for (int p = ct; p < kTileRows * kLatent / 8; p += kWgConsumers) {
-      const int row = p / (kLatent / 8), col = 8 * (p % (kLatent / 8));
-      const int64_t r = w.row0 + row;
-      if (r >= rows) break;  // padding rows are last
-      store_out_piece(a, w, r, col, staged_row(row) + col);
-    }
-    wg_consumer_sync();  // the staging chunks are read: back to the converter
-#pragma unroll
-    for (int ch = 0; ch < kWgStagedChunks; ++ch) mbarrier_arrive(bars + L::kSlotEmpty + wg_slot(last + ch));
-  }
-}
-
-template <CacheFormat kFormat, ActType kElem>
-__global__ void __launch_bounds__(kWgThreads, 1) wgmma_attention_kernel(const DecodeAttention a) {
-  extern __shared__ __align__(1024) uint8_t smem[];
-  using L = WgLayout<kFormat>;
-  if (threadIdx.x == 0) {
-    uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
-    for (int s = 0; s < kWgRawStages; ++s)
-      mbarrier_init(bars + L::kRawFull + s, 1);
-    for (int slot = 0; slot < kWgSlots; ++slot)
-      mbarrier_init(bars + L::kSlotFull + slot, kWgConverters), mbarrier_init(bars + L::kSlotEmpty + slot, kWgConsumers);
-    mbarrier_init_fence();
-  }
-  __syncthreads();  // the only CTA-wide barrier: the roles part here
-  JKM_WG_TRACE_AT(0, 10);
-  const int warp = uniform_warp_index();
-  if (warp < kWgConsumers / 32)
-    wg_consume<kFormat, kElem>(a, smem, load_scales<kFormat>(a), warp);
-  else
-    wg_convert<kFormat, kElem>(a, smem, int(threadIdx.x) - kWgConsumers);
 }
 
 // ---- Many query rows over a 16-bit cache: 64 rows a CTA on wgmma ----
@@ -3221,22 +2454,11 @@ bool rs_splits_fit_a_cluster(int device, dim3 grid) {
   return int64_t(grid.y) * grid.z <= known - 1;
 }
 
-template <CacheFormat kFormat, ActType kElem>
-ffi::Error launch_wgmma_attention(cudaStream_t stream, const DecodeAttention& a, dim3 grid) {
-  return launch_with_shared_memory(stream, wgmma_attention_kernel<kFormat, kElem>, grid, kWgThreads,
-                                   WgLayout<kFormat>::kBytes, a);
-}
-
 // The kernel a call takes. JAX_KIMI_MLA_DECODE_KERNEL (read per call, for comparisons) may ask
 // for another than the default where that one applies:
 // - fp8_attention_kernel (the default where it applies): the plain fp8 cache under an E4M3 query
 //   at S_q = 1, in a build that has the sm_89+ fp8 conversion (not JAX_KIMI_MLA_SOFTWARE_FP8).
 //   "mma" asks for attention_kernel instead.
-// - ds_attention_kernel ("ds16"): fp8_ds_mla at S_q = 1, in a build with the sm_89+ fp8
-//   conversion. Correct, still slower than attention_kernel on the H200: never the default.
-// - wgmma_attention_kernel ("wgmma"): the 1-byte formats at S_q = 1 on an sm_90 GPU (wgmma is
-//   sm_90a's). Correct but slower than the others on the H200 (docs/DECODE_ATTENTION.md, "Ninth
-//   round"), so never the default.
 // - rs_attention_kernel (the default where it applies; "rs" forces it, "mma" refuses it): fp8_ds_mla
 //   at S_q = 1 on an sm_90 GPU, in a build with sm_90a code and the fp8 conversion, B <= 65535, from
 //   kRsMinSplitTiles tiles a split. Its splits merge in a cluster where rs_splits_fit_a_cluster
@@ -3245,7 +2467,7 @@ ffi::Error launch_wgmma_attention(cudaStream_t stream, const DecodeAttention& a,
 //   rows (kWideMinRows, or fewer in larger batches), on an sm_90 GPU, in a build with sm_90a code
 //   (wgmma). "mma" asks for attention_kernel instead, "wide" for this kernel with fewer rows too.
 // - attention_kernel: everything else.
-enum class DecodeKernel { kMma, kFp8, kDs, kRs, kWgmma, kWide };
+enum class DecodeKernel { kMma, kFp8, kRs, kWide };
 
 #ifdef JKM_SOFTWARE_FP8
 constexpr bool kFp8KernelBuilt = false;
@@ -3264,13 +2486,9 @@ std::string kernel_choice() {
 }
 
 DecodeKernel choose_kernel(const DecodeAttention& a, int major, const std::string& choice) {
-  if (choice == "wgmma" && major == 9 && a.q_tokens == 1 && a.cache_format != CacheFormat::kBf16)
-    return DecodeKernel::kWgmma;
   if (choice != "mma" && kFp8KernelBuilt && a.cache_format == CacheFormat::kFp8 && a.q_type == QType::kE4m3 &&
       a.q_tokens == 1)
     return DecodeKernel::kFp8;
-  if (choice == "ds16" && kFp8KernelBuilt && a.cache_format == CacheFormat::kFp8DsMla && a.q_tokens == 1)
-    return DecodeKernel::kDs;
   // rs_attention_kernel from 4 tiles a split (of the longest sequence the table holds): with fewer,
   // its one-warpgroup tiles and longer prologue lose to attention_kernel (H200, H 12: 15.3 against
   // 12.2 us at B = 1, context 4096; 19.8 against 20.1 at B = 8, 4 tiles a split).
@@ -3320,17 +2538,10 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a) {
     err = f16 ? launch_wide_attention<ActType::kF16>(stream, a, grid)
               : launch_wide_attention<ActType::kBF16>(stream, a, grid);
   } else if (kernel == DecodeKernel::kFp8) {
-    err = launch_with_shared_memory(stream, fp8_attention_kernel, grid, kThreads, RawLayout<CacheFormat::kFp8>::kBytes, a);
-  } else if (kernel == DecodeKernel::kDs) {
-    err = launch_with_shared_memory(stream, ds_attention_kernel, grid, kThreads, RawLayout<CacheFormat::kFp8DsMla>::kBytes, a);
+    err = launch_with_shared_memory(stream, fp8_attention_kernel, grid, kThreads, Fp8Layout::kBytes, a);
   } else if (kernel == DecodeKernel::kRs) {
     merged_in_cluster = choice != "rs-combine" && rs_splits_fit_a_cluster(device, grid);
     err = launch_rs_attention(stream, a, grid, merged_in_cluster);
-  } else if (kernel == DecodeKernel::kWgmma) {
-    err = a.cache_format == CacheFormat::kFp8DsMla
-              ? launch_wgmma_attention<CacheFormat::kFp8DsMla, ActType::kBF16>(stream, a, grid)
-          : f16 ? launch_wgmma_attention<CacheFormat::kFp8, ActType::kF16>(stream, a, grid)
-                : launch_wgmma_attention<CacheFormat::kFp8, ActType::kBF16>(stream, a, grid);
   } else {
     switch (a.cache_format) {
       case CacheFormat::kBf16:

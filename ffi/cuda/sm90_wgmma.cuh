@@ -1,5 +1,6 @@
-// sm_90a warpgroup MMA (wgmma) from shared memory: the matrix descriptors of 128-byte swizzled
-// tiles and the m64n16k16 and m64n64k16 MMAs with float32 accumulation. wgmma exists
+// sm_90a warpgroup MMA (wgmma): the matrix descriptors of 128-byte swizzled shared-memory tiles,
+// and the m64n64k16 (A from shared memory or registers) and m64n16k16 (A from registers) MMAs
+// with float32 accumulation. wgmma exists
 // on sm_90a only (not on sm_100, whose tensor cores take other instructions): for every other
 // target these compile to traps, and the host launches the kernels that use them on sm_90 GPUs
 // only.
@@ -31,22 +32,6 @@ __device__ __forceinline__ uint64_t swizzled_descriptor(const void* smem) {
   const uint32_t addr = smem_addr(smem);
   return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
          (uint64_t(1) << 62);
-}
-
-// D[64 x 16] (+)= A[64 x 16] B[16 x 16], 16-bit operands (kF16: f16, else bf16), A K-major or,
-// with kTransA, MN-major; B K-major. Asynchronous: between wgmma_fence and wgmma_commit, the
-// accumulators are not to be touched until wgmma_wait.
-template <bool kF16, int kTransA>
-__device__ __forceinline__ void wgmma_m64n16k16(float (&d)[8], uint64_t a, uint64_t b, int accumulate) {
-#define JKM_WGMMA(type)                                                                                \
-  SM90A_ASM("{\n .reg .pred p;\n setp.ne.b32 p, %10, 0;\n"                                             \
-            " wgmma.mma_async.sync.aligned.m64n16k16.f32." type "." type                                \
-            " {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, %11, 0;\n}\n"                         \
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]) \
-            : "l"(a), "l"(b), "r"(accumulate), "n"(kTransA))
-  if constexpr (kF16) JKM_WGMMA("f16");
-  else JKM_WGMMA("bf16");
-#undef JKM_WGMMA
 }
 
 // The 32 float32 accumulators a thread of a m64n64 wgmma: the m16n8 accumulators of n-blocks
@@ -136,14 +121,8 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ int uniform_warp_index() { return __shfl_sync(0xFFFFFFFFu, int(threadIdx.x) / 32, 0); }
 
 // A barrier of `threads` threads (a warpgroup or a few) on hardware barrier `id` (0 is
-// __syncthreads'), which the other warps of the CTA never wait on.
-template <int kId, int kThreadCount>
-__device__ __forceinline__ void named_barrier_sync() {
-  asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreadCount) : "memory");
-}
-
-// The same with a barrier id known at run time (warp-uniform), and the OR of `flag` over the
-// `threads` threads it gathers.
+// __syncthreads'; warp-uniform), which the other warps of the CTA never wait on; with the OR of
+// `flag` over the threads it gathers, or without.
 __device__ __forceinline__ bool named_barrier_or(int id, int threads, bool flag) {
   uint32_t any;
   asm volatile("{\n .reg .pred q, r;\n setp.ne.u32 q, %1, 0;\n bar.red.or.pred r, %2, %3, q;\n selp.u32 %0, 1, 0, r;\n}\n"
