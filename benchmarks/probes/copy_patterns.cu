@@ -20,20 +20,15 @@
 #include <vector>
 
 #include "../../ffi/cuda/sm90_copy.cuh"
-#include "event_timing.cuh"
+#include "probe_common.cuh"
 
 namespace copy_probe {
 
 using namespace jax_kimi_mla;
-using namespace probe_timing;
+using namespace probe_common;
 
 constexpr int kOutPieces = 72;  // 1152 bytes a row
 constexpr int kOutRowBytes = 16 * kOutPieces;
-
-bool ok(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) std::printf("%s failed: %s\n", what, cudaGetErrorString(err));
-  return err == cudaSuccess;
-}
 
 __device__ __forceinline__ int source_piece(int p, int in_pieces) { return p < in_pieces ? p : p - in_pieces; }
 

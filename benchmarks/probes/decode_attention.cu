@@ -54,20 +54,12 @@ __device__ __forceinline__ unsigned long long global_ns() {
 #include <string>
 #include <vector>
 
+#include "probe_common.cuh"
+
 namespace attention_probe {
 
 using namespace jax_kimi_mla;
-
-bool ok(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) std::printf("%s failed: %s\n", what, cudaGetErrorString(err));
-  return err == cudaSuccess;
-}
-
-__global__ void hold(int64_t ns) {
-  const long long start = clock64();
-  while (clock64() - start < ns) {
-  }
-}
+using namespace probe_common;
 
 struct Case {
   CacheFormat format;
@@ -115,11 +107,6 @@ std::vector<uint8_t> make_cache(CacheFormat f, int64_t rows, std::mt19937& rng) 
       }
     }
   return cache;
-}
-
-float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 #ifdef JKM_PHASE_STAMPS
@@ -254,20 +241,7 @@ int run_case(const Case& k, std::mt19937& rng) {
     out[kernel].resize(out_elems), lse[kernel].resize(size_t(k.batch) * k.heads);
     cudaMemcpy(out[kernel].data(), d_out, out_elems * 2, cudaMemcpyDeviceToHost);
     cudaMemcpy(lse[kernel].data(), d_lse, lse[kernel].size() * 4, cudaMemcpyDeviceToHost);
-    constexpr int kReps = 20;
-    std::vector<cudaEvent_t> ev(kReps + 1);
-    for (auto& e : ev) cudaEventCreate(&e);
-    hold<<<1, 1>>>(4000000);
-    cudaEventRecord(ev[0]);
-    for (int i = 1; i <= kReps; ++i) {
-      (void)run(nullptr, a);
-      cudaEventRecord(ev[i]);
-    }
-    cudaEventSynchronize(ev.back());
-    std::vector<float> t(kReps);
-    for (int i = 1; i <= kReps; ++i) cudaEventElapsedTime(&t[i - 1], ev[i - 1], ev[i]);
-    us[kernel] = 1e3f * median(t);
-    for (auto& e : ev) cudaEventDestroy(e);
+    us[kernel] = time_us([&] { (void)run(nullptr, a); }, 20);
   }
   const double bytes = double(k.batch) * k.context * a.row_bytes;
   const double tiles_per_cta = double(max_blocks) / k.splits;

@@ -49,9 +49,11 @@
 #include <vector>
 
 #include "jax_kimi_mla/numerics.h"
+#include "probe_common.cuh"
 #include "wgmma.cuh"
 
 using namespace probe_util;
+using probe_common::ok;
 
 namespace {
 
@@ -400,11 +402,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int h = (x >> 1) & 1, k = 2 * (x >> 2) + (x & 1);
       out_mine[pv_column(mb, w, g, h) * kRows + head_of(k, c)] = st.o[mb][x] * inv[k];
     }
-}
-
-bool ok(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) std::printf("%s failed: %s\n", what, cudaGetErrorString(err));
-  return err == cudaSuccess;
 }
 
 float e4m3_value(uint8_t code) {

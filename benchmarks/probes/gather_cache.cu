@@ -37,17 +37,12 @@
 #include <string>
 #include <vector>
 
-#include "event_timing.cuh"
+#include "probe_common.cuh"
 
 namespace gather_probe {  // named: nvcc's stubs cannot tell two anonymous namespaces apart
 
 using namespace jax_kimi_mla;
-using namespace probe_timing;
-
-bool ok(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) std::printf("%s failed: %s\n", what, cudaGetErrorString(err));
-  return err == cudaSuccess;
-}
+using namespace probe_common;
 
 const char* format_name(CacheFormat f, ActType c16) {
   if (f != CacheFormat::kBf16) return f == CacheFormat::kFp8 ? "fp8" : "fp8_ds_mla";

@@ -8,7 +8,7 @@
 // kernel's q pe part does, and applies a cheap bijection (the halves of every word swapped), so
 // that a chunk it did not write, or wrote twice, is seen: each in-place store kind is checked on
 // the device against the rule (pe chunks swapped once, nope chunks untouched) after one launch.
-// Timed as the other event-timed probes (event_timing.cuh): the median of 30 back-to-back
+// Timed as the other event-timed probes (probe_common.cuh): the median of 30 back-to-back
 // launches between events, behind a kernel that holds the stream, against a 1 GiB cudaMemcpy
 // (read + write bytes).
 //
@@ -21,20 +21,15 @@
 #include <functional>
 #include <vector>
 
-#include "event_timing.cuh"
+#include "probe_common.cuh"
 
 namespace pe_probe {
 
-using namespace probe_timing;
+using namespace probe_common;
 
 constexpr int kRowChunks = 24;  // 192 bf16 values a head row
 constexpr int kPeChunks = 8;    // its last 64
 constexpr int kThreads = 192;   // two blocks a token at 96 heads, as the epilogue's plan gives
-
-bool ok(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) std::printf("%s failed: %s\n", what, cudaGetErrorString(err));
-  return err == cudaSuccess;
-}
 
 __device__ __forceinline__ uint4 swap_halves(uint4 v) {
   const auto s = [](uint32_t w) { return __byte_perm(w, 0, 0x1032); };

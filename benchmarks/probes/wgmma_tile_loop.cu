@@ -30,9 +30,11 @@
 #include <random>
 #include <vector>
 
+#include "probe_common.cuh"
 #include "wgmma.cuh"
 
 using namespace probe_util;
+using probe_common::ok;
 
 namespace {
 
@@ -197,11 +199,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int h = (x >> 1) & 1, k = 2 * (x >> 2) + (x & 1);
       out[(64 * mb + 16 * warp + g + 8 * h) * kRows + row_of(k, c)] = o[mb][x] * inv[k];
     }
-}
-
-bool ok(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) std::printf("%s failed: %s\n", what, cudaGetErrorString(err));
-  return err == cudaSuccess;
 }
 
 }  // namespace

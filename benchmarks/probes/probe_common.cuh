@@ -1,4 +1,4 @@
-// How the event-timed probes (copy_patterns.cu, gather_cache.cu, pe_in_place.cu) time a call: the
+// What the probes share: a checked CUDA call (ok), and how the event-timed ones time a call: the
 // median of back-to-back launches between events, queued behind a kernel that holds the stream so
 // that the host's gaps between launches do not count.
 #pragma once
@@ -7,10 +7,17 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <vector>
 
-namespace probe_timing {
+namespace probe_common {
+
+// Whether a CUDA call succeeded; if not, says which and why.
+inline bool ok(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) std::printf("%s failed: %s\n", what, cudaGetErrorString(err));
+  return err == cudaSuccess;
+}
 
 inline float median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
@@ -48,4 +55,4 @@ inline float time_us(const std::function<void()>& f, int reps) {
   return median(us);
 }
 
-}  // namespace probe_timing
+}  // namespace probe_common
