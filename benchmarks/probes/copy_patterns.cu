@@ -269,18 +269,14 @@ bool run_flat(const Case& c, const char* name, bool whole_grid = false) {
 
 int main() {
   using namespace copy_probe;
-  cudaDeviceProp prop{};
-  if (!ok(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties")) return 1;
-  std::printf("%s, %d SMs\n", prop.name, prop.multiProcessorCount);
-  const size_t copy_bytes = size_t(1) << 30;
+  if (!print_device()) return 1;
+  const double ceiling = copy_ceiling();
+  if (ceiling == 0) return 1;
   const size_t largest_total = size_t(1048576) * (16 * 72 + kOutRowBytes) / 2;  // a copy beside each case
   uint8_t *src = nullptr, *dst = nullptr;
   if (!ok(cudaMalloc(&src, largest_total), "cudaMalloc") || !ok(cudaMalloc(&dst, largest_total), "cudaMalloc"))
     return 1;
   cudaMemset(src, 0x5A, largest_total);
-  const float copy_us = time_us([&] { cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice); }, 10);
-  const double ceiling = 2.0 * double(copy_bytes) / (copy_us * 1e-6);
-  std::printf("copy ceiling: %.1f GB/s (1 GiB in %.1f us)\n", ceiling / 1e9, copy_us);
 
   bool pass = true;
   const struct { const char* name; int in_pieces; } formats[] = {{"bf16", 72}, {"fp8", 36}, {"fp8_ds_mla", 41}};

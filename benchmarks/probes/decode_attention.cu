@@ -275,9 +275,7 @@ int run_case(const Case& k, std::mt19937& rng) {
 
 int main(int argc, char** argv) {
   using namespace attention_probe;
-  cudaDeviceProp prop;
-  cudaGetDeviceProperties(&prop, 0);
-  std::printf("%s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  if (!print_device()) return 2;
   std::mt19937 rng(7);
   int status = 0;
   std::vector<Case> cases = {Case{CacheFormat::kFp8, 64, 16384, 12, 2}, Case{CacheFormat::kFp8DsMla, 64, 16384, 12, 2},

@@ -289,9 +289,7 @@ void time_stream(CacheFormat fmt, int64_t rows, double ceiling) {
 int main(int argc, char** argv) {
   using namespace gather_probe;
   const bool check_only = argc > 1 && std::string(argv[1]) == "--check-only";  // e.g. under compute-sanitizer
-  cudaDeviceProp prop{};
-  if (!ok(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties")) return 1;
-  std::printf("%s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  if (!print_device()) return 1;
   std::mt19937 rng(2026);
   bool pass = true;
   const CacheFormat formats[] = {CacheFormat::kBf16, CacheFormat::kBf16, CacheFormat::kFp8, CacheFormat::kFp8DsMla};
@@ -304,15 +302,8 @@ int main(int argc, char** argv) {
   std::printf("correctness: %s\n", pass ? "PASS" : "FAIL");
   if (check_only) return pass ? 0 : 1;
 
-  // The copy ceiling: 1 GiB device to device, bytes read + written.
-  const size_t copy_bytes = size_t(1) << 30;
-  uint8_t *src = nullptr, *dst = nullptr;
-  if (!ok(cudaMalloc(&src, copy_bytes), "cudaMalloc") || !ok(cudaMalloc(&dst, copy_bytes), "cudaMalloc")) return 1;
-  cudaMemset(src, 0x5A, copy_bytes);
-  const float copy_us = time_us([&] { cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice); }, 10);
-  cudaFree(src), cudaFree(dst);
-  const double ceiling = 2.0 * double(copy_bytes) / (copy_us * 1e-6);
-  std::printf("copy ceiling: %.1f GB/s (1 GiB in %.1f us)\n", ceiling / 1e9, copy_us);
+  const double ceiling = copy_ceiling();
+  if (ceiling == 0) return 1;
   const int64_t sizes[][2] = {{16, 4096}, {1, 131072}, {64, 16384}};
   for (const auto& s : sizes)
     for (CacheFormat fmt : {CacheFormat::kBf16, CacheFormat::kFp8, CacheFormat::kFp8DsMla}) {

@@ -138,18 +138,9 @@ __global__ void count_wrong(const uint4* before, const uint4* after, int64_t chu
 
 int main() {
   using namespace pe_probe;
-  cudaDeviceProp prop{};
-  if (!ok(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties")) return 1;
-  std::printf("%s, %d SMs\n", prop.name, prop.multiProcessorCount);
-  const size_t copy_bytes = size_t(1) << 30;
-  uint8_t *src = nullptr, *dst = nullptr;
-  if (!ok(cudaMalloc(&src, copy_bytes), "cudaMalloc") || !ok(cudaMalloc(&dst, copy_bytes), "cudaMalloc")) return 1;
-  cudaMemset(src, 0x5A, copy_bytes);
-  const float copy_us = time_us([&] { cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice); }, 10);
-  const double ceiling = 2.0 * double(copy_bytes) / (copy_us * 1e-6);
-  std::printf("copy ceiling: %.1f GB/s (1 GiB in %.1f us)\n", ceiling / 1e9, copy_us);
-  cudaFree(src);
-  cudaFree(dst);
+  if (!print_device()) return 1;
+  const double ceiling = copy_ceiling();
+  if (ceiling == 0) return 1;
 
   bool pass = true;
   for (int heads : {96, 12})

@@ -1,6 +1,7 @@
-// What the probes share: a checked CUDA call (ok), and how the event-timed ones time a call: the
-// median of back-to-back launches between events, queued behind a kernel that holds the stream so
-// that the host's gaps between launches do not count.
+// What the probes share: a checked CUDA call (ok), the device line they print first, how the
+// event-timed ones time a call (the median of back-to-back launches between events, queued behind
+// a kernel that holds the stream so that the host's gaps between launches do not count), and the
+// copy ceiling they measure against.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -53,6 +54,30 @@ inline float time_us(const std::function<void()>& f, int reps) {
   }
   for (cudaEvent_t& e : events) cudaEventDestroy(e);
   return median(us);
+}
+
+// Prints the GPU's name and SM count; false (said why) where it cannot be asked.
+inline bool print_device() {
+  cudaDeviceProp prop{};
+  if (!ok(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties")) return false;
+  std::printf("%s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  return true;
+}
+
+// The copy ceiling, printed: a 1 GiB device-to-device cudaMemcpy, bytes read + written per
+// second; 0 where its buffers cannot be allocated.
+inline double copy_ceiling() {
+  const size_t bytes = size_t(1) << 30;
+  uint8_t *src = nullptr, *dst = nullptr;
+  double ceiling = 0;
+  if (ok(cudaMalloc(&src, bytes), "cudaMalloc") && ok(cudaMalloc(&dst, bytes), "cudaMalloc")) {
+    cudaMemset(src, 0x5A, bytes);
+    const float us = time_us([&] { cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice); }, 10);
+    ceiling = 2.0 * double(bytes) / (us * 1e-6);
+    std::printf("copy ceiling: %.1f GB/s (1 GiB in %.1f us)\n", ceiling / 1e9, us);
+  }
+  cudaFree(src), cudaFree(dst);
+  return ceiling;
 }
 
 }  // namespace probe_common
