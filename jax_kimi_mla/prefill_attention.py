@@ -34,19 +34,25 @@ import jax.numpy as jnp
 IMPLS = ("auto", "cudnn", "blockwise")
 MIN_CUDNN_VERSION = 91000  # cuDNN 9.10: MLA head dims (v != q) in flash attention
 MIN_COMPUTE_CAPABILITY = (9, 0)  # Hopper; also what cuDNN needs for the packed layout
-# (major, minor) jax versions whose private cuDNN module this file was checked against.
-TESTED_JAX = ((0, 10), (0, 11))
+# (major, minor) jax versions whose private cuDNN module this file was checked against: 0.11 by the
+# GPU tests on the H200; 0.10 and 0.12 by what the module hands XLA, the same cuDNN custom calls as
+# 0.11's (scripts/cudnn_lowering.py, tests/data/cudnn_prefill_lowering.txt).
+TESTED_JAX = ((0, 10), (0, 11), (0, 12))
 _PRIVATE_PARAMS = frozenset({"q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "scale", "mask_type", "qkv_layout", "return_residual"})
 F32 = jnp.float32
 
 
 @functools.cache
 def private_api():
-    """jax's cuDNN attention module, or None where this jax is not a checked version or the
-    module's ``dot_product_attention`` lacks the arguments used here."""
+    """jax's cuDNN attention module, or None where this jax is not a checked version
+    (:data:`TESTED_JAX`) or the module lacks the arguments used here (:func:`private_module`)."""
     version = tuple(int(p) for p in jax.__version__.split(".")[:2])
-    if version not in TESTED_JAX:
-        return None
+    return private_module() if version in TESTED_JAX else None
+
+
+def private_module():
+    """jax's cuDNN attention module if its ``dot_product_attention`` takes the arguments and mask
+    types used here, whatever the jax version; else None."""
     try:
         from jax._src.cudnn import fused_attention_stablehlo as module
     except ImportError:

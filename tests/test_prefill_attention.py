@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import enum
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _util import load_script
 from test_layer import TOLERANCE, Run, packed_first_chunks, packed_with_context, run_and_check
 
 from jax_kimi_mla import layer as ml
@@ -161,6 +163,38 @@ def test_version_guard(monkeypatch):
         monkeypatch.undo()
         pa.private_api.cache_clear()
 
+
+
+ROOT = Path(__file__).resolve().parents[1]
+LOWERING_RECORD = ROOT / "tests" / "data" / "cudnn_prefill_lowering.txt"
+
+
+@pytest.fixture(scope="module")
+def cudnn_lowering():
+    if pa.private_module() is None:
+        pytest.skip(f"jax {jax.__version__} has no private cuDNN module with the arguments the layer passes")
+    return load_script(ROOT / "scripts" / "cudnn_lowering.py", "cudnn_lowering")
+
+
+def test_cudnn_calls_are_the_gpu_checked_ones(cudnn_lowering):
+    """On a version in TESTED_JAX, the cuDNN path hands XLA the custom calls recorded on jax 0.11.2,
+    whose GPU tests passed on the H200 (scripts/cudnn_lowering.py; docs/PREFILL.md, "Guard")."""
+    text = cudnn_lowering.lowered_calls()
+    same = text == LOWERING_RECORD.read_text()
+    if tuple(int(p) for p in jax.__version__.split(".")[:2]) not in pa.TESTED_JAX:
+        pytest.skip(f"jax {jax.__version__} is not in TESTED_JAX; its cuDNN calls "
+                    + ("are the recorded ones" if same else "differ from the record"))
+    assert same, f"jax {jax.__version__}: run python3 -P scripts/cudnn_lowering.py --check {LOWERING_RECORD}"
+
+
+def test_cudnn_lowering_record_tells_a_changed_call(cudnn_lowering, monkeypatch):
+    """The comparison sees what cuDNN is asked: another softmax scale changes every call."""
+    monkeypatch.setattr(cudnn_lowering, "SCALE", 0.25)
+    changed = cudnn_lowering.lowered_calls().splitlines()
+    record = LOWERING_RECORD.read_text().splitlines()
+    assert len(changed) == len(record) and sum(c.startswith("==") for c in record) == 4
+    differ = [(a, b) for a, b in zip(record, changed) if a != b]
+    assert len(differ) == 6 and all("fmha_scale\\22: 0.1," in a and "fmha_scale\\22: 0.25," in b for a, b in differ)
 
 # ---- the cuDNN path's plumbing, on the stand-in ------------------------------------------------
 
