@@ -60,6 +60,7 @@ class Timing:
     device_s: float | None
     kernels: float | None
     source: str  # "device", "device-mean" (calls could not be told apart) or "wall"
+    span_s: float | None = None  # first kernel's start to last kernel's end (device, per call)
 
     @property
     def seconds(self) -> float:
@@ -80,7 +81,7 @@ def measure(step, args: list, donated: dict[int, int], max_calls: int = MAX_CALL
     device = device_time_per_call(step, args, donated, _clamp(PROFILED_SECONDS / wall, MIN_CALLS, max_calls))
     if device is None:
         return Timing(wall, None, None, "wall")
-    return Timing(wall, device.seconds, device.kernels, "device" if device.per_call else "device-mean")
+    return Timing(wall, device.seconds, device.kernels, "device" if device.per_call else "device-mean", device.span_seconds)
 
 
 def copy_ceiling(nbytes: int) -> tuple[float, Timing]:

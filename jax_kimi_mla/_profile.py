@@ -7,6 +7,10 @@ Device time comes from a ``jax.profiler`` trace: the kernels (and memcpys/memset
 lines of the GPU's device plane, summed per call. Lines that only aggregate other events ("XLA
 Ops", "XLA Modules", "Steps", ...) are skipped, so no kernel is counted twice. Without a device
 plane (the CPU backend) there is no device time: ``device_time_per_call`` returns None.
+
+A call's span, from its first kernel's start to its last kernel's end, is reported beside the sum:
+it counts the gaps between a call's kernels, and counts once the time that two kernels overlap
+(a dependent launch that starts before the kernel it waits for has ended).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class DeviceTime:
     kernels: float  # device events (kernels, memcpys, memsets) per call
     calls: int
     per_call: bool  # False: events could not be split into calls; seconds is then the mean
+    span_seconds: float | None = None  # median over calls of first start to last end; None if not per_call
 
 
 def wall_time_per_call(step: Callable, args: list, donated: dict[int, int], calls: int, warmup: int = 2) -> float:
@@ -119,8 +124,10 @@ def _device_time(data, calls: int) -> DeviceTime | None:
         # Some call's events are missing or extra ones came along: only a mean is meaningful.
         return DeviceTime(sum(d for _, d in events) * 1e-9 / calls, len(events) / calls, calls, False)
     per = len(events) // calls
-    sums = [sum(d for _, d in events[i : i + per]) for i in range(0, len(events), per)]
-    return DeviceTime(statistics.median(sums) * 1e-9, per, calls, True)
+    groups = [events[i : i + per] for i in range(0, len(events), per)]
+    sums = [sum(d for _, d in g) for g in groups]
+    spans = [max(t + d for t, d in g) - g[0][0] for g in groups]
+    return DeviceTime(statistics.median(sums) * 1e-9, per, calls, True, statistics.median(spans) * 1e-9)
 
 
 def _device_events(plane) -> list[tuple[float, float]]:

@@ -22,6 +22,7 @@ identical and the after side has no kernel the before side lacks, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import difflib
 import re
 import struct
 import subprocess
@@ -93,10 +94,24 @@ def _how(a: dict, b: dict, kernel: str) -> str:
     code_a, code_b = a[".text." + kernel], b[".text." + kernel]
     if code_a == code_b:
         return ", ".join(parts)
-    if len(code_a) != len(code_b):
-        return f"{', '.join(parts)}: {len(code_a) // 16} -> {len(code_b) // 16} instructions"
-    changed = sum(code_a[i : i + 16] != code_b[i : i + 16] for i in range(0, len(code_a), 16))
-    return f"{', '.join(parts)}: {changed} of {len(code_a) // 16} instructions"
+    return f"{', '.join(parts)}: {code_diff(code_a, code_b)}"
+
+
+def code_diff(code_a: bytes, code_b: bytes) -> str:
+    """How two kernels' code differs, in 16-byte instructions: the counts, and the edit that turns one
+    into the other, matched in order (an instruction added at the start shifts every later one, yet
+    is one insertion, not thousands of changes)."""
+    words = [[code[i : i + 16] for i in range(0, len(code), 16)] for code in (code_a, code_b)]
+    edits = {"replaced": 0, "inserted": 0, "removed": 0}
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, *words, autojunk=False).get_opcodes():
+        if tag == "replace":
+            edits["replaced"] += max(i2 - i1, j2 - j1)
+        elif tag == "insert":
+            edits["inserted"] += j2 - j1
+        elif tag == "delete":
+            edits["removed"] += i2 - i1
+    counts = f"{len(words[0])} instructions" if len(words[0]) == len(words[1]) else f"{len(words[0])} -> {len(words[1])} instructions"
+    return f"{counts}, {', '.join(f'{n} {what}' for what, n in edits.items() if n)}"
 
 
 def compare(before: Path, after: Path) -> tuple[list[str], list[str], list[str], list[str]]:

@@ -70,3 +70,12 @@ def test_a_file_of_the_extension_against_its_last_commit():
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "kernels identical, 0 differ" in run.stdout and "only" not in run.stdout, run.stdout
+
+
+def test_code_differences_are_counted_as_edits():
+    """An instruction added at the start is one insertion, not a shift of every later one."""
+    tool = load_script(SCRIPT, "compare_cubins")
+    code = b"".join(bytes([k]) * 16 for k in range(1, 9))  # eight distinct 16-byte instructions
+    assert tool.code_diff(code, b"\xee" * 16 + code) == "8 -> 9 instructions, 1 inserted"
+    assert tool.code_diff(code, code[:32] + b"\xee" * 16 + code[48:]) == "8 instructions, 1 replaced"
+    assert tool.code_diff(code, code[16:]) == "8 -> 7 instructions, 1 removed"
