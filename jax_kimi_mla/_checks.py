@@ -75,6 +75,9 @@ def as_array(name: str, x):
     if isinstance(x, Columns):
         raise ValueError(f"{name} does not accept columns(...): only {', '.join(COLUMN_WIDTHS)} do; pass {name} itself")
     if isinstance(x, (jax.Array, np.ndarray)) or hasattr(x, "aval"):
+        if not all(isinstance(d, (int, np.integer)) for d in x.shape):
+            raise ValueError(f"{name} has a symbolic shape {tuple(x.shape)}: the ops need concrete shapes (their static "
+                             "attributes follow them); export one artifact per bucket of sizes")
         return x
     try:
         return jnp.asarray(x)
@@ -448,7 +451,7 @@ def gather_cache(kv_cache, block_tables, context_lens, num_tokens, ds_mla, cache
     if num_tokens is None:
         num_tokens = capacity
     elif isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
-        raise ValueError(f"num_tokens must be None (every table slot: B * max_blocks * block_size) or an int >= 0, got {num_tokens!r}")
+        raise ValueError(f"num_tokens must be None (every table slot: B * max_blocks * block_size) or a static int >= 0 (it sizes the output), got {num_tokens!r}")
     return GatherCall(
         kv_cache=kv_cache,
         block_tables=tables,

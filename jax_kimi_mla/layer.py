@@ -46,6 +46,7 @@ Example (a 16-token prompt into blocks 0 and 1 of a 16-token-block cache)::
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _checks, ops, prefill_attention
 from ._checks import columns
@@ -63,6 +65,56 @@ SOFTMAX_SCALE = 1.0 / math.sqrt(P + R)
 # The per-tensor fp8 scales are set for |x| up to 8: activations here are O(1) by construction.
 FP8_SCALE_INV = E4M3_MAX / 8.0
 F32 = jnp.float32
+
+
+def _explicit_mesh(tree):
+    """The mesh of the first array in ``tree`` sharded over Explicit mesh axes, or None."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            mesh = getattr(jax.typeof(leaf).sharding, "mesh", None)
+            if mesh is not None and not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types:
+                return mesh
+    return None
+
+
+def _auto_axes_under_explicit_meshes(*outputs: str):
+    """The step as written for Auto mesh axes (shardings left to XLA), also on Explicit ones.
+
+    ``jax.make_mesh`` gives Explicit axes by default, where every jnp op must agree on its operands'
+    shardings at trace time: weights sharded by heads meet a replicated k_pe in the attention, and
+    the einsums refuse. So where an argument is sharded over Explicit axes, the step runs with them
+    Auto (``jax.sharding.auto_axes``), and the outputs keep the shardings of the arguments named by
+    ``outputs`` (out like x, the cache like the cache): bit for bit what the Auto mesh gives."""
+
+    def wrap(fn):
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def step(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs).arguments
+            mesh = _explicit_mesh(list(bound.values()))
+            if mesh is None:
+                return fn(*args, **kwargs)
+
+            def like(name):
+                sharding = jax.typeof(bound[name]).sharding
+                return NamedSharding(mesh, sharding.spec if not sharding.mesh.empty else PartitionSpec())
+
+            shardings = tuple(like(name) for name in outputs)
+            # auto_axes moves the arrays it is given positionally onto the Auto axes: all of them go
+            # so (keyword ones too: scan_layers passes the cache by name); the rest (config, None,
+            # Python numbers) stays bound as it was.
+            arrays = [name for name, value in bound.items() if any(isinstance(v, jax.Array) for v in jax.tree.leaves(value))]
+
+            def run(*values):
+                return fn(**{**bound, **dict(zip(arrays, values))})
+
+            auto = jax.sharding.auto_axes(run, out_sharding=shardings if len(outputs) > 1 else shardings[0])
+            return auto(*(bound[name] for name in arrays))
+
+        return step
+
+    return wrap
 
 
 @dataclass(frozen=True)
@@ -364,6 +416,7 @@ def _rope_kwargs(positions, cos_sin_cache, config):
     return {"positions": positions, "cos_sin_cache": cos_sin_cache, "rope_style": config.rope_style}
 
 
+@_auto_axes_under_explicit_meshes("x", "kv_cache")
 def prefill(
     params, x, positions, slot_mapping, kv_cache, *, config, block_table=None, context_len=None, cu_seqlens=None, layer=None, cos_sin_cache=None,
     attention_impl=None, context_tokens=None,
@@ -567,6 +620,7 @@ def _layer_tables(block_tables, layer, num_blocks):
     return jnp.where(valid, block_tables + layer * num_blocks, -1)
 
 
+@_auto_axes_under_explicit_meshes("x", "kv_cache")
 def decode(params, x, positions, slot_mapping, block_tables, context_lens, kv_cache, *, config, layer=None, cos_sin_cache=None):
     """New tokens for each sequence of a batch: absorbed MLA over the paged cache.
 
@@ -646,6 +700,7 @@ def scan_layers(step, params, x, kv_cache, *args, **kwargs):
     return x, flat.reshape(stacked)
 
 
+@_auto_axes_under_explicit_meshes("x")
 def reference_attention(params, x, positions, *, config, cos_sin_cache=None):
     """Naive MLA for a whole sequence from scratch, in float32: causal attention of x [S, hidden]
     with k and v materialised for every token from the unquantized latent (no cache, no

@@ -2,6 +2,7 @@
 cache they wrote): the artifact names the versioned FFI targets, survives serialize/deserialize,
 and called on CPU gives what the direct call gives."""
 
+import functools
 import pathlib
 import re
 
@@ -161,3 +162,29 @@ def test_version_1_names_still_run_as_gptj():
     for a, b, c in zip(v1, v2, op):
         np.testing.assert_array_equal(bits(a), bits(b))
         np.testing.assert_array_equal(bits(a), bits(c))
+
+
+@pytest.mark.parametrize("op", ["epilogue", "decode_attention", "gather"])
+def test_shape_polymorphic_export_is_a_clear_error(op):
+    """A symbolic dimension reaches the argument checks, which name the argument (the ops' static
+    attributes follow the shapes): ABI.md, "Exporting"."""
+    disabled = [jax.export.DisabledSafetyCheck.custom_call(_ffi.target_name(o)) for o in _ffi.OPS]
+    (b,) = jax.export.symbolic_shape("b")
+    cache = jax.ShapeDtypeStruct((N, BS, 576), jnp.bfloat16)
+    if op == "epilogue":
+        fn = jkm.fused_mla_decode_q_concat_kv_cache_insert
+        args = (jax.ShapeDtypeStruct((b, H, 512), jnp.bfloat16), jax.ShapeDtypeStruct((b, H, 64), jnp.bfloat16),
+                jax.ShapeDtypeStruct((b, 512), jnp.bfloat16), jax.ShapeDtypeStruct((b, 64), jnp.bfloat16), cache,
+                jax.ShapeDtypeStruct((b,), jnp.int32))
+        name = "ql_nope"
+    elif op == "decode_attention":
+        fn = functools.partial(jkm.mla_decode_attention, softmax_scale=0.125)
+        args = (jax.ShapeDtypeStruct((b, H, 576), jnp.bfloat16), cache, jax.ShapeDtypeStruct((b, 2), jnp.int32),
+                jax.ShapeDtypeStruct((b,), jnp.int32))
+        name = "mqa_q"
+    else:
+        fn = jkm.gather_mla_cache
+        args = (cache, jax.ShapeDtypeStruct((b, 2), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32))
+        name = "block_tables"
+    with pytest.raises(ValueError, match=rf"^{name} has a symbolic shape .*concrete shapes"):
+        jax.export.export(jax.jit(fn), platforms=("cpu",), disabled_checks=disabled)(*args)
