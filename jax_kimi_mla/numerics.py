@@ -41,7 +41,7 @@ def rope(x, positions, cos_sin_cache, style: str = "gptj"):
     Pair i turns by (cos, sin) = columns (i, 32 + i) of the position's table row. ``style``
     "gptj" pairs elements (2i, 2i + 1), "neox" (rotate-half) pairs elements (i, i + 32).
     """
-    rows = cos_sin_cache[jnp.clip(positions, 0, cos_sin_cache.shape[0] - 1)]
+    rows = jnp.asarray(cos_sin_cache)[jnp.clip(jnp.asarray(positions), 0, cos_sin_cache.shape[0] - 1)]
     extra = (1,) * (x.ndim - 2)
     cos = rows[:, : R // 2].reshape(x.shape[0], *extra, R // 2)
     sin = rows[:, R // 2 :].reshape(x.shape[0], *extra, R // 2)

@@ -1,6 +1,6 @@
 """The epilogues in plain jax.numpy: same signatures, same checks, same returns as the FFI ops.
 
-For tests, notebooks and as a fallback. Jit-able; under ``jax.jit(..., donate_argnums=...)`` XLA
+For tests, notebooks and as a fallback. Jit-able (numpy operands too, closed over or passed); under ``jax.jit(..., donate_argnums=...)`` XLA
 updates the cache in place here too (a scatter). Among valid tokens that share a slot, the
 LAST token's entry is kept (the CPU handlers do the same; the CUDA kernels leave it undefined).
 """
@@ -40,7 +40,7 @@ def _insert(kv_cache, rows, slot_mapping):
         return kv_cache
     num_blocks, block_size, width = kv_cache.shape
     num_rows = num_blocks * block_size
-    slots = slot_mapping
+    slots = jnp.asarray(slot_mapping)  # numpy may not be indexed by a traced index
     order = jnp.argsort(slots, stable=True)
     ordered = slots[order]
     last_of_run = jnp.concatenate([ordered[1:] != ordered[:-1], jnp.ones((1,), bool)])
@@ -146,7 +146,7 @@ def fused_mla_decode_q_concat_kv_cache_insert(
 
 def _dequantized_entries(c, rows):
     """The cache entries at flat ``rows`` [...] as float32 [..., 576] (a padded row's first columns)."""
-    entries = c.kv_cache.reshape(-1, c.kv_cache.shape[-1])[rows][..., : CACHE_FORMATS[c.cache_format].width]
+    entries = jnp.asarray(c.kv_cache).reshape(-1, c.kv_cache.shape[-1])[rows][..., : CACHE_FORMATS[c.cache_format].width]
     if c.cache_format == "fp8_ds_mla":
         latent, k_pe = ds_mla_dequantize(entries)
         return jnp.concatenate([latent, k_pe.astype(jnp.float32)], -1)
@@ -171,9 +171,9 @@ def mla_decode_attention(
     if c.q_scale_inv is not None:
         q = q / jnp.reshape(c.q_scale_inv, ())
     t = jnp.arange(c.block_tables.shape[1] * block_size)
-    blocks = c.block_tables[:, t // block_size]  # [B, tokens]
+    blocks = jnp.asarray(c.block_tables)[:, t // block_size]  # [B, tokens]
     in_cache = (blocks >= 0) & (blocks < num_blocks)
-    lens = jnp.clip(c.context_lens, 0, t.shape[0])
+    lens = jnp.clip(jnp.asarray(c.context_lens), 0, t.shape[0])
     readable = in_cache & (t < lens[:, None])
     entries = _dequantized_entries(c, jnp.where(readable, blocks * block_size + t % block_size, 0))
     entries = jnp.where(readable[..., None], entries, 0.0)
@@ -203,8 +203,8 @@ def gather_mla_cache(kv_cache, block_tables, context_lens, *, num_tokens=None, d
     num_blocks, block_size = c.kv_cache.shape[:2]
     B, max_blocks = c.block_tables.shape
     t = jnp.arange(max_blocks * block_size)
-    blocks = c.block_tables[:, t // block_size]  # [B, tokens]
-    lens = jnp.clip(c.context_lens, 0, t.shape[0])
+    blocks = jnp.asarray(c.block_tables)[:, t // block_size]  # [B, tokens]
+    lens = jnp.clip(jnp.asarray(c.context_lens), 0, t.shape[0])
     in_cache = (blocks >= 0) & (blocks < num_blocks)
     entries = _dequantized_entries(c, jnp.where(in_cache, blocks * block_size + t % block_size, 0))
     entries = jnp.where(in_cache[..., None], entries, 0.0).astype(c.out_dtype)

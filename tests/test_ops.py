@@ -248,3 +248,34 @@ def test_scaled_cos_sin_tables(backend, fmt, gain):
     got = run_op(fmt, "jit", put(a, backend))
     check_against_reference(fmt, got, want, True, a["slot_mapping"])
     check_untouched_rows(got[-1], pristine, a["slot_mapping"])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_reference_jits_with_numpy_operands_closed_over(fmt):
+    """The reference is the ops' fallback (and the readers' on pre-Hopper GPUs) and runs inside a
+    user's jit, where numpy tables, slots and cos/sin tables are constants that a traced index
+    meets: the same values as called eagerly (NaN for NaN: XLA:CPU may canonicalize the payloads of
+    a constant's NaNs, here the sentinel cache's)."""
+    a = make_case(Case(fmt, tokens=13, heads=3, rope=True))
+    want = to_numpy(invoke(jax_kimi_mla.reference, fmt, a))
+    got = to_numpy(jax.jit(lambda: invoke(jax_kimi_mla.reference, fmt, a))())
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_equal_nan_aware(g, w, f"{fmt} output {i}")
+
+
+@pytest.mark.parametrize("reader", ["mla_decode_attention", "gather_mla_cache"])
+def test_reader_references_jit_with_numpy_operands_closed_over(reader):
+    rng = np.random.default_rng(5)
+    cache = rng.standard_normal((6, 16, 576)).astype(np.float32).astype(jax.numpy.bfloat16)
+    tables = rng.integers(-1, 7, (3, 4)).astype(np.int32)
+    lens = np.array([0, 20, 64], np.int32)
+    if reader == "gather_mla_cache":
+        call = functools.partial(jax_kimi_mla.reference.gather_mla_cache, cache, tables, lens, num_tokens=90)
+    else:
+        q = rng.standard_normal((3, 2, 576)).astype(np.float32).astype(jax.numpy.bfloat16)
+        call = functools.partial(jax_kimi_mla.reference.mla_decode_attention, q, cache, tables, lens, softmax_scale=0.1,
+                                 return_lse=True)
+    got, want = to_numpy(jax.jit(call)()), to_numpy(call())
+    for i, (g, w) in enumerate(zip(got, want) if isinstance(want, tuple | list) else [(got, want)]):
+        assert_bits_equal(g, w, f"{reader} output {i}")
