@@ -37,6 +37,10 @@ class Columns:
         return self.array[..., self.start : self.start + width]
 
 
+# A pytree (the array a leaf, start static): columns(...) may be passed into jax.jit, vmap, scan.
+jax.tree_util.register_dataclass(Columns, data_fields=["array"], meta_fields=["start"])
+
+
 def columns(x, start: int) -> Columns:
     """Marks ``x[..., start:start + width]`` as an op input without slicing it.
 
@@ -243,6 +247,10 @@ def _int64_host_indices_as_int32(name: str, x):
 
 
 def scale(name: str, x):
+    """A per-tensor scale: a float32 array of shape () or (1,), or a Python number (made float32
+    here, whatever jax_enable_x64 says: a weak-typed constant, not a float64 array)."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return jnp.asarray(x, F32)
     x = as_array(name, x)
     expect_dtype(name, x, (F32,))
     if tuple(x.shape) not in ((), (1,)):

@@ -1,6 +1,7 @@
 """Every op and cache format against the jnp reference (and, without RoPE, against the spec
 written out in numpy), on each backend, jitted and eager, vmapped; on a GPU also CUDA vs CPU."""
 
+import contextlib
 import functools
 
 import jax
@@ -279,3 +280,35 @@ def test_reader_references_jit_with_numpy_operands_closed_over(reader):
     got, want = to_numpy(jax.jit(call)()), to_numpy(call())
     for i, (g, w) in enumerate(zip(got, want) if isinstance(want, tuple | list) else [(got, want)]):
         assert_bits_equal(g, w, f"{reader} output {i}")
+
+
+@pytest.mark.parametrize("fmt", ["prefill_fp8", "decode_bf16"])
+def test_columns_cross_a_jit_boundary(fmt):
+    """columns(...) is a pytree: passed into jax.jit as an argument, it reads the same columns."""
+    a = make_case(Case(fmt, tokens=9, heads=2, rope=True))
+    if fmt == "prefill_fp8":
+        wide = {"k_nope": np.concatenate([a["k_nope"], a["v"]], -1)}
+        cols = {"k_nope": jax_kimi_mla.columns(wide["k_nope"], 0), "v": jax_kimi_mla.columns(wide["k_nope"], 128)}
+    else:
+        cols = {"q_pe": jax_kimi_mla.columns(np.concatenate([a["ql_nope"][..., :128], a["q_pe"]], -1), 128)}
+    want = to_numpy(invoke(jax_kimi_mla, fmt, a))
+    got = to_numpy(jax.jit(lambda c: invoke(jax_kimi_mla, fmt, dict(a, **c)))(cols))
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_bits_equal(g, w, f"{fmt} output {i}")
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_python_number_scales_are_float32(x64):
+    """A Python float or int scale is taken as float32, with x64 on too (where jnp.asarray(2.5)
+    would be float64); a float64 array stays an error naming the argument."""
+    a = make_case(Case("decode_fp8", tokens=4, heads=2))
+    want = to_numpy(invoke(jax_kimi_mla, "decode_fp8", a))
+    with jax.enable_x64(True) if x64 else contextlib.nullcontext():
+        got = to_numpy(invoke(jax_kimi_mla, "decode_fp8", dict(a, q_scale_inv=float(a["q_scale_inv"]),
+                                                                 cache_scale_inv=float(a["cache_scale_inv"]))))
+        ref = to_numpy(invoke(jax_kimi_mla.reference, "decode_fp8", dict(a, q_scale_inv=1, cache_scale_inv=2)))
+        assert ref[0].dtype == np.dtype(jax.numpy.float8_e4m3fn)
+        with pytest.raises(TypeError, match="q_scale_inv must have dtype float32, got float64"):
+            invoke(jax_kimi_mla, "decode_fp8", dict(a, q_scale_inv=np.array(1.3, np.float64)))
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_bits_equal(g, w, f"output {i}")
