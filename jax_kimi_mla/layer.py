@@ -146,6 +146,12 @@ class MLAConfig:
         return SOFTMAX_SCALE if self.softmax_scale is None else float(self.softmax_scale)
 
     def __post_init__(self):
+        for name in ("hidden_size", "num_heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if jnp.dtype(self.dtype) not in _checks.ACT_DTYPES:
+            raise TypeError(f"dtype (the activations') must be bfloat16 or float16, as the ops take, got {jnp.dtype(self.dtype)}")
         if self.cache_format not in CACHE_FORMATS:
             raise ValueError(f"cache_format must be one of {tuple(CACHE_FORMATS)}, got {self.cache_format!r}")
         _checks.rope_style(self.rope_style)
@@ -626,7 +632,8 @@ def decode(params, x, positions, slot_mapping, block_tables, context_lens, kv_ca
 
     Args:
       x: [B, hidden] activation dtype, one new token per sequence, or [B, S_q, hidden] for
-        S_q = 1..4 new tokens per sequence (speculative decoding). positions: [B] / [B, S_q] int32.
+        S_q = 1..4 new tokens per sequence (speculative decoding). positions: [B] / [B, S_q] int32
+        (used by RoPE only: None without a cos/sin table).
       slot_mapping: [B] / [B, S_q] int32 slot of each new token; -1 for padding.
       block_tables: [B, max_blocks] int32. context_lens: [B] int32, the tokens of each sequence,
         counting the ones written in this step (0 for padding rows: their output is 0). New
@@ -643,7 +650,7 @@ def decode(params, x, positions, slot_mapping, block_tables, context_lens, kv_ca
     q, kv_a, kv_c_normed = _projections(params, x.reshape(B * S, -1), config)
     w_uk, w_uv = params["kv_b_proj"][..., :P], params["kv_b_proj"][..., P:]
     ql_nope = _proj("bhp,lhp->bhl", q[..., :P], w_uk)
-    kw = _rope_kwargs(positions.reshape(B * S), cos_sin_cache, config)
+    kw = _rope_kwargs(None if positions is None else positions.reshape(B * S), cos_sin_cache, config)
     scales = {}
     if fmt == "fp8":
         scales = {"q_scale_inv": params["fp8_scale_inv"]["q"], "cache_scale_inv": params["fp8_scale_inv"]["cache"]}

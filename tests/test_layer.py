@@ -636,3 +636,27 @@ def test_the_gpu_program_holds_no_float32_products_nor_all_heads_at_once(heads, 
     if groups > 1:
         assert f"tensor<{T}x{heads}x192x" not in text and f"tensor<{T}x{heads}x128x" not in text
         assert "stablehlo.while" in text
+
+
+@pytest.mark.parametrize("field, value, error, message", [
+    ("dtype", jnp.float32, TypeError, "dtype .* must be bfloat16 or float16"),
+    ("num_heads", 0, ValueError, "num_heads must be an int >= 1"),
+    ("hidden_size", 256.0, ValueError, "hidden_size must be an int >= 1"),
+])
+def test_config_refuses_what_the_ops_cannot_take(field, value, error, message):
+    with pytest.raises(error, match=message):
+        ml.MLAConfig(**{field: value})
+
+
+def test_decode_without_rope_takes_no_positions():
+    """positions only feed RoPE: without a cos/sin table, decode (as prefill) takes None."""
+    config = ml.MLAConfig(hidden_size=HIDDEN, num_heads=HEADS)
+    params = ml.init_params(jax.random.key(3), config)
+    x = jax.random.normal(jax.random.key(4), (2, HIDDEN), jnp.bfloat16)
+    tables = jnp.array([[0, 1], [2, 3]], jnp.int32)
+    lens, slots = jnp.array([9, 3], jnp.int32), jnp.array([8, 18], jnp.int32)
+    cache = ml.allocate_cache(config, NUM_BLOCKS, BLOCK)
+    with_positions = ml.decode(params, x, lens - 1, slots, tables, lens, cache, config=config)
+    without = ml.decode(params, x, None, slots, tables, lens, cache, config=config)
+    for a, b in zip(with_positions, without):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
