@@ -316,7 +316,7 @@ def mla_decode_attention(
         the per-tensor scales the epilogues quantized with).
       return_lse: also return the log-sum-exp of the scaled scores.
       num_splits: the split-KV count of the CUDA kernel (static); None chooses it from the sizes
-        and the GPU. Results do not depend on it.
+        and the GPU. Results do not depend on it beyond float rounding (the CPU handler ignores it).
 
     The CUDA kernel needs sm_90+ (Hopper or newer); on older GPUs this calls
     ``jax_kimi_mla.reference.mla_decode_attention`` instead (same contract, jnp speed).
@@ -375,7 +375,7 @@ def gather_mla_cache(kv_cache, block_tables, context_lens, *, num_tokens=None, d
       out_dtype: bfloat16, float16 or float32.
 
     Returns:
-      [num_tokens, 576] in ``out_dtype``: token t of sequence b at row ``sum(context_lens[:b]) + t``
+      [num_tokens, 576] in ``out_dtype``: token t of sequence b at row ``sum(clamped context_lens[:b]) + t``
       (values: the latent and k_pe as the cache holds them, dequantized: plain fp8 codes divided
       by cache_scale_inv, fp8_ds_mla codes times their tile scale), rounded to nearest even. A
       token whose block id is outside [0, num_blocks) gives a zero row; rows past the last token
