@@ -353,8 +353,46 @@ def test_readme_blocks_copy_nothing(monkeypatch):
     namespace = {"__name__": "readme"}
     blocks = [(f"README.md python block {i + 1}", b) for i, b in enumerate(python_blocks(README.read_text()))]
     calls = run_recorded(monkeypatch, blocks, lambda _: namespace)
-    assert {"decode_step", "decode_step_ds_mla", "prefill_step"} <= {name for name, _, _ in calls}
+    assert {"decode_step", "decode_step_ds_mla", "prefill_step", "decode_layers"} <= {name for name, _, _ in calls}
     check_recorded_calls(calls, "README")
+    # Pattern 4: neither the stack's flat view nor one layer's rows is copied either.
+    (stack,) = [caches[0] for name, _, caches in calls if name == "decode_layers"]
+    layers, blocks, *row = stack
+    views = [(layers * blocks, *row), (blocks, *row)]
+    check_recorded_calls([(name, hlo, caches) for name, hlo, caches in calls if name == "decode_layers"], "README")
+    for name, hlo, _ in calls:
+        if name == "decode_layers":
+            assert not copies(hlo, views) and not copy_fusions(hlo, views), copies(hlo, views) + copy_fusions(hlo, views)
+
+
+def copy_fusions(hlo: str, shapes) -> list[str]:
+    """Fusions that XLA names a copy (``bitcast_copy_fusion``: a slice copied out) with a result of
+    one of ``shapes``."""
+    found = []
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT\s+)?%([\w.\-]*copy[\w.\-]*)\s*=\s*(.*?)\s+fusion\(", line)
+        if m and set(_dims(m.group(2))) & {tuple(x) for x in shapes}:
+            found.append(line.strip())
+    return found
+
+
+def test_detector_catches_a_layer_sliced_out_of_the_stack():
+    """What pattern 4 of the README avoids: stack[i] in, .at[i].set out, copies a layer a step."""
+    layers, B = 3, 2
+    stack = jnp.zeros((layers, NUM_BLOCKS, BLOCK_SIZE, 576), jnp.bfloat16)
+    args = [_normal(jax.random.key(i), shape) for i, shape in enumerate([(B, H, 512), (B, H, 64), (B, 512), (B, 64)])]
+    slots = jnp.array([0, 9], jnp.int32)
+
+    def step(stack, ql_nope, q_pe, kv_c_normed, k_pe):
+        def layer(stack, i):
+            mqa_q, cache = kmla.fused_mla_decode_q_concat_kv_cache_insert(ql_nope, q_pe, kv_c_normed, k_pe, stack[i], slots)
+            return stack.at[i].set(cache), mqa_q
+
+        return jax.lax.scan(layer, stack, jnp.arange(layers))
+
+    hlo = compiled(jax.jit(step, donate_argnums=0), stack, *args)
+    assert copy_fusions(hlo, [(NUM_BLOCKS, BLOCK_SIZE, 576)])  # the layer, sliced out
+    assert copies(hlo, [stack.shape])  # and here the whole stack too, every iteration
 
 
 def test_sharding_and_errors_doc_blocks_copy_nothing(monkeypatch):
