@@ -63,7 +63,10 @@ def value(node):
         return node.value
     if isinstance(node, ast.Subscript) and node.value.id in DTYPES:
         shape = ast.literal_eval(node.slice)
-        return np.zeros(shape if isinstance(shape, tuple) else (shape,), DTYPES[node.value.id])
+        shape = shape if isinstance(shape, tuple) else (shape,)
+        if any(isinstance(d, str) for d in shape):  # a symbolic dimension: an abstract argument of an export
+            return jax.ShapeDtypeStruct(jax.export.symbolic_shape(", ".join(map(str, shape))), DTYPES[node.value.id])
+        return np.zeros(shape, DTYPES[node.value.id])
     if isinstance(node, ast.List):
         return np.array(ast.literal_eval(node), np.int32)
     if isinstance(node, ast.Call) and node.func.id in DTYPES:
@@ -110,11 +113,25 @@ def staged_check_inputs(**kwargs):
     err.throw()
 
 
+def exported(fn, kwargs: dict):
+    """fn(**kwargs) exported for the CPU, its arrays (some with symbolic dimensions) as the jitted
+    function's arguments and the rest bound."""
+    arrays = {k: v for k, v in kwargs.items() if isinstance(v, np.ndarray | jax.ShapeDtypeStruct)}
+    rest = {k: v for k, v in kwargs.items() if k not in arrays}
+    disabled = [jax.export.DisabledSafetyCheck.custom_call(jax_kimi_mla._ffi.target_name(op)) for op in jax_kimi_mla._ffi.OPS]
+    return jax.export.export(jax.jit(lambda a: fn(**a, **rest)), platforms=("cpu",), disabled_checks=disabled)(arrays)
+
+
 def callables(call: str) -> list:
-    """(label, thunk) pairs that a row's call stands for."""
+    """(label, thunk) pairs that a row's call stands for; a call with a symbolic dimension
+    (``bfloat16["b", 3, 576]``) is exported."""
     node = ast.parse(call, mode="eval").body
     kwargs = {k.arg: value(k.value) for k in node.keywords}
     assert not node.args, f"use keyword arguments only: {call}"
+    if any(isinstance(v, jax.ShapeDtypeStruct) for v in kwargs.values()):
+        assert node.func.id == "attention", f"symbolic dimensions are wired for attention(...) rows: {call}"
+        a = dict(attention_base(), **kwargs)
+        return [(impl.__name__, lambda impl=impl: exported(impl.mla_decode_attention, a)) for impl in (jax_kimi_mla, reference)]
     if isinstance(node.func, ast.Call):
         assert ast.unparse(node.func) == "checkify(check_inputs)", call
         return [("checkify", lambda: staged_check_inputs(**kwargs))]
