@@ -293,6 +293,10 @@ def write_markdown(path: Path, meta: dict, cache_rows: list[dict], dispatch_rows
         "- floor = minimum bytes / copy ceiling (each input read once, each output written once, only the",
         "  cache rows of valid slots; no q traffic in NoPE prefill); BW = floor / time, the fraction of the copy",
         "  ceiling reached. Both ops run under jax.jit with the cache donated (with RoPE in prefill, q too).",
+        *([] if meta["device_timed"] else [
+            "- not a GPU run: the copy ceiling is this machine's memory, which small calls' bytes beat from its",
+            "  caches (BW above 100%), and XLA:CPU's reference scatter into a donated cache is not in place (its",
+            "  time grows with the cache below). Only a GPU run's numbers say anything about the kernels."]),
         "",
         *(target_lines(rows, cache_rows, dispatch_rows) if meta["device_timed"] else []),
         *(issue12_lines(rows, meta["empty_us"]) if meta["device_timed"] else []),
@@ -381,6 +385,8 @@ def main(argv=None) -> int:
     heads, sizes = (QUICK_HEADS, QUICK_SIZES) if opts.quick else (HEADS, SIZES)
     wanted = [w for w in (opts.only or "").split(",") if w]
     variants = [v for v in VARIANTS.values() if not wanted or any(w in v.name for w in wanted)]
+    if not variants:
+        sys.exit(f"--only {opts.only!r} matches no variant; the names: {', '.join(VARIANTS)}")
     print(f"jax {jax.__version__} on {device.device_kind} ({device.platform}); writing to {out}", flush=True)
 
     copy_bytes = QUICK_COPY_BYTES if opts.quick else COPY_BYTES

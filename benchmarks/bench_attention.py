@@ -542,6 +542,8 @@ def main(argv=None) -> int:
     sizes = QUICK if opts.quick else FULL
     wanted = [w for w in (opts.only or "").split(",") if w]
     todo = [c for c in cases(sizes) if not wanted or any(w in c.name for w in wanted)]
+    if not todo:
+        sys.exit(f"--only {opts.only!r} matches no case name (e.g. {cases(sizes)[0].name!r})")
     device = jax.devices()[0]
     out = opts.out or Path(__file__).parent / "results" / f"{device.platform}-attention{'-quick' if opts.quick else ''}"
     out.mkdir(parents=True, exist_ok=True)

@@ -412,6 +412,8 @@ def main(argv=None) -> int:
     started = time.monotonic()
     wanted = [w for w in (opts.only or "").split(",") if w]
     todo = [c for c in sizes.cases if not wanted or any(w in c.name for w in wanted)]
+    if not todo:
+        sys.exit(f"--only {opts.only!r} matches no case; the names: {', '.join(c.name for c in sizes.cases)}")
     device = jax.devices()[0]
     out = opts.out or Path(__file__).parent / "results" / f"{device.platform}-prefill{'-quick' if opts.quick else ''}"
     out.mkdir(parents=True, exist_ok=True)

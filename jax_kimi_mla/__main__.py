@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from . import ops, reference
 from ._profile import wall_time_per_call
-from ._workloads import VARIANTS, Variant, attention_inputs, attention_step, fresh_copy, gather_step, run
+from ._workloads import VARIANTS, Variant, attention_inputs, attention_step, fresh_copy, gather_inputs, gather_step, run
 from .formats import CACHE_FORMATS
 from .numerics import ds_mla_dequantize
 
@@ -132,8 +132,7 @@ def check_and_time_gather(fmt: str, batch: int, context: int, device) -> dict:
     """gather_mla_cache on ``device`` against the reference on the CPU (one bf16 rounding of
     the same float32 values; plain fp8 divides, which XLA may do as a product with the reciprocal:
     one bf16 step), and both timed."""
-    _, cache, tables, lens, _, cache_scale_inv = attention_inputs(fmt, batch, context, 1)
-    args = [cache, tables, lens, cache_scale_inv]
+    args = gather_inputs(fmt, batch, context)
     ffi_step, ref_step = gather_step(ops.gather_mla_cache, fmt), gather_step(reference.gather_mla_cache, fmt)
     cpu = jax.devices("cpu")[0]
     got = jax.device_put(ffi_step(*jax.device_put(args, device)), cpu).astype(jnp.float32)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .formats import CACHE_FORMATS, DS_MLA_ENTRY_BYTES, ENTRY, CacheFormat, L, P, R, V  # noqa: F401 (re-exported)
+from .formats import CACHE_FORMATS, ENTRY, CacheFormat, L, P, R, V
 
 ACT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 INDEX_DTYPES = (jnp.dtype(jnp.int32), jnp.dtype(jnp.int64))

@@ -28,10 +28,10 @@ import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .formats import EPILOGUES
+from .formats import EPILOGUES, PER_HEAD_INPUTS, PER_HEAD_OUTPUTS
 
 HEADS, BATCH, ROWS = "h", "b", "(b s)"  # ROWS: the query rows of a batch, S_q per sequence
-_PER_HEAD = frozenset({"q", "k_nope", "v", "ql_nope", "q_pe", "k", "q_fp8", "k_fp8", "v_fp8", "mqa_q"})
+_PER_HEAD = PER_HEAD_INPUTS | PER_HEAD_OUTPUTS
 
 
 class Rule:
@@ -114,7 +114,7 @@ def call(op: str, make_target, inputs, result_shapes, aliases: dict[int, int], a
         out = make_target(results)(*args, **attrs)
         return tuple(out[j] for j in kept)
 
-    def decide(mesh, arg_shapes):
+    def decide(arg_shapes):
         heads = _axes(arg_shapes, operand_dims, (HEADS,), sizes.get(HEADS, 1))
         # Query rows split where sequences do: the batch size must divide by the axes.
         batch = _axes(arg_shapes, operand_dims, (BATCH, ROWS), sizes.get(BATCH, 1), taken=heads)
@@ -134,7 +134,7 @@ def call(op: str, make_target, inputs, result_shapes, aliases: dict[int, int], a
         return shapes
 
     def partition(mesh, arg_shapes, result_shape):
-        axes = decide(mesh, arg_shapes)
+        axes = decide(arg_shapes)
 
         def lower_fn(*local):
             return run(local_results(mesh, axes, math.prod(local[0].shape)), *local)
@@ -147,7 +147,7 @@ def call(op: str, make_target, inputs, result_shapes, aliases: dict[int, int], a
         )
 
     def infer(mesh, arg_shapes, result_shape):
-        axes = decide(mesh, arg_shapes)
+        axes = decide(arg_shapes)
         return tuple(sharding(mesh, result_dims[j], axes) for j in kept)
 
     partitioned = custom_partitioning(lambda *args: run(result_shapes, *args))

@@ -136,12 +136,12 @@ class Variant:
     def cache_dtype(self, dtype) -> jnp.dtype:
         return self.epilogue.cache_format.cache_dtype(dtype)
 
-    def cache_row_bytes(self, dtype=jnp.bfloat16) -> int:
+    def cache_entry_bytes(self, dtype=jnp.bfloat16) -> int:
         return self.epilogue.cache_format.entry_bytes(dtype)
 
     def num_blocks_for(self, cache_bytes: int, dtype=jnp.bfloat16, block_size: int = BLOCK_SIZE) -> int:
         """The number of blocks of a cache of about ``cache_bytes`` bytes."""
-        return max(1, cache_bytes // (block_size * self.cache_row_bytes(dtype)))
+        return max(1, cache_bytes // (block_size * self.cache_entry_bytes(dtype)))
 
     def inputs(self, tokens: int, heads: int, dtype=jnp.bfloat16, *, num_blocks: int | None = None,
                block_size: int = BLOCK_SIZE, seed: int = 0) -> list:
@@ -210,7 +210,7 @@ class Variant:
                 read += T * H * R * a
                 write += T * H * R * a
         index = T * 4 + (T * (4 + R * 4) if self.rope else 0)
-        cache = (T - padding_count(T)) * self.cache_row_bytes(dtype)
+        cache = (T - padding_count(T)) * self.cache_entry_bytes(dtype)
         return read + write + index + cache
 
 

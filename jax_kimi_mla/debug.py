@@ -36,6 +36,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from . import _checks
+from .formats import R
 
 _SHOWN = 8  # offending tokens listed per problem in an eager error
 
@@ -75,7 +76,7 @@ def check_inputs(kv_cache, slot_mapping, *, positions=None, cos_sin_cache=None, 
     if positions is not None:
         positions = _index("positions", positions, slots.shape[0])
         cos_sin_cache = _checks.as_array("cos_sin_cache", cos_sin_cache)
-        _checks.expect_shape("cos_sin_cache", cos_sin_cache, (None, _checks.R), "[max_position, 64]")
+        _checks.expect_shape("cos_sin_cache", cos_sin_cache, (None, R), "[max_position, 64]")
     max_position = None if positions is None else cos_sin_cache.shape[0]
     if any(isinstance(x, jax.core.Tracer) for x in (slots, positions)):
         _staged(slots, positions, num_rows, max_position, allow_padding)

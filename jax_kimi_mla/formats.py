@@ -1,8 +1,8 @@
 """The cache formats and the epilogue FFI targets as data: the one Python home of those facts.
 
 The ops, their argument checks and references, the layer, the benchmark workloads and the tests
-read these tables; the C++ side has its twin in ``ffi/include/jax_kimi_mla/ffi_plan.h``
-(``CacheFormat``, ``op_shape``). Format names are those of ``layer.MLAConfig.cache_format``:
+read these tables; the C++ side has its twins in ``ffi/include/jax_kimi_mla/epilogue.h``
+(``CacheFormat``) and ``ffi_plan.h`` (``op_shape``). Format names are those of ``layer.MLAConfig.cache_format``:
 
 - ``"bf16"``: [N, bs, 576] entries [kv_c_normed | k_pe] in the activation dtype (bf16 or fp16);
 - ``"fp8"``: [N, bs, 576] float8_e4m3fn, quantized with a per-tensor ``cache_scale_inv``;
@@ -103,3 +103,7 @@ EPILOGUES = {
 
 READERS = ("mla_decode_attention", "gather_mla_cache")  # FFI targets that only read the cache
 FFI_TARGETS = tuple(e.target for e in EPILOGUES.values()) + READERS
+# The per-head arrays [T or B, H, width] among the ops' inputs and among their outputs, by name:
+# the head axis that tensor parallelism shards (_partition's rules, sharding's shard_map specs).
+PER_HEAD_INPUTS = frozenset({"q", "k_nope", "v", "ql_nope", "q_pe"})
+PER_HEAD_OUTPUTS = frozenset({"q", "k", "q_fp8", "k_fp8", "v_fp8", "mqa_q"})

@@ -120,7 +120,7 @@ def _auto_axes_under_explicit_meshes(*outputs: str):
 @dataclass(frozen=True)
 class MLAConfig:
     """Free dimensions of the layer. The MLA widths are those of the epilogues: kv_lora_rank 512,
-    qk_nope 128, qk_rope 64, v_head 128 (``jax_kimi_mla._checks.L, P, R, V``)."""
+    qk_nope 128, qk_rope 64, v_head 128 (``jax_kimi_mla.formats.L, P, R, V``)."""
 
     hidden_size: int = 1024
     num_heads: int = 8
@@ -270,16 +270,24 @@ def _rms_norm(x, w, eps):
     return (x32 * w.astype(F32)).astype(w.dtype)
 
 
-def _projections(params, x, config):
-    """q [T, H, 192], kv_a [T, 576] = [kv_c | k_pe] and kv_c_normed [T, 512]."""
+def _latents(params, x, config):
+    """What every head shares: q's latent q_c and the weight that makes q from it (x itself and
+    q_proj without q_lora, else normed q_a_proj(x) and q_b_proj), kv_a [T, 576] = [kv_c | k_pe]
+    and kv_c_normed [T, 512]."""
     if config.q_lora_rank is None:
-        q = _proj("td,dhc->thc", x, params["q_proj"])
+        q_c, w_q = x, params["q_proj"]
     else:
         q_c = _rms_norm(_proj("td,dr->tr", x, params["q_a_proj"]), params["q_a_norm"], config.rms_norm_eps)
-        q = _proj("tr,rhc->thc", q_c, params["q_b_proj"])
+        w_q = params["q_b_proj"]
     kv_a = _proj("td,de->te", x, params["kv_a_proj"])
     kv_c_normed = _rms_norm(kv_a[:, :L], params["kv_a_norm"], config.rms_norm_eps)
-    return q, kv_a, kv_c_normed
+    return q_c, w_q, kv_a, kv_c_normed
+
+
+def _projections(params, x, config):
+    """q [T, H, 192], kv_a [T, 576] = [kv_c | k_pe] and kv_c_normed [T, 512]."""
+    q_c, w_q, kv_a, kv_c_normed = _latents(params, x, config)
+    return _proj("tr,rhc->thc", q_c, w_q), kv_a, kv_c_normed
 
 
 def _layer_rows(kv_cache, layer):
@@ -474,14 +482,7 @@ def prefill(
     groups = prefill_head_groups(config, T, packed=packed, context_tokens=num_ctx)
     g = H // groups
 
-    # Shared by all heads: q's latent (x itself without q_lora) and the KV latent.
-    if config.q_lora_rank is None:
-        q_c, w_q = x, params["q_proj"]
-    else:
-        q_c = _rms_norm(_proj("td,dr->tr", x, params["q_a_proj"]), params["q_a_norm"], config.rms_norm_eps)
-        w_q = params["q_b_proj"]
-    kv_a = _proj("td,de->te", x, params["kv_a_proj"])
-    kv_c_normed = _rms_norm(kv_a[:, :L], params["kv_a_norm"], config.rms_norm_eps)
+    q_c, w_q, kv_a, kv_c_normed = _latents(params, x, config)
     # One group reads k_pe in place; with several, only its 64 columns stay alive through the loop.
     k_pe = columns(kv_a, L) if groups == 1 else kv_a[:, L:]
 
@@ -587,9 +588,8 @@ def _attention_blockwise(q, k, v, cu, lens, ctx_k, ctx_v, config):
     lens[s] + (i - cu[s]) of its sequence s; padding (i >= cu[S]) is a sequence of its own, S, which
     no real token sees; cached tokens come first, packed back to back."""
     T = q.shape[0]
-    i = jnp.arange(T, dtype=jnp.int32)
-    q_seq = jnp.searchsorted(cu[1:], i, side="right").astype(jnp.int32)
-    q_pos = jnp.concatenate([lens, jnp.zeros(1, jnp.int32)])[q_seq] + i - cu[q_seq]
+    q_seq, local = prefill_attention.segments(cu, T)
+    q_pos = jnp.concatenate([lens, jnp.zeros(1, jnp.int32)])[q_seq] + local
     q, k, v = q.astype(F32), k.astype(F32), v.astype(F32)
     k_seq, k_pos, k_valid = q_seq, q_pos, jnp.ones((T,), bool)
     if ctx_k is not None:

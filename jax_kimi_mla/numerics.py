@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._checks import DS_MLA_ENTRY_BYTES, L, R
+from .formats import DS_MLA_ENTRY_BYTES, L, R
 
 E4M3_MAX = 448.0
 DS_MLA_TILE = 128

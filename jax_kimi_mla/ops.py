@@ -41,10 +41,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _checks, _ffi, reference
-from .formats import EPILOGUES, Epilogue
+from .formats import ENTRY, EPILOGUES, Epilogue, L, P, R, V
 
 _NO_POSITIONS = ((0,), jnp.int32)
-_NO_COS_SIN = ((0, _checks.R), jnp.float32)
+_NO_COS_SIN = ((0, R), jnp.float32)
 
 
 def _operands(a, epilogue: Epilogue, checked, scales=()):
@@ -86,7 +86,7 @@ def _prefill(epilogue: Epilogue, q, k_nope, k_pe, kv_c_normed, kv_cache, slot_ma
     k, q_out, cache = _call(
         epilogue,
         operands,
-        [jax.ShapeDtypeStruct((T, H, _checks.P + _checks.R), checked.act), _like(q_in), _like(a["kv_cache"])],
+        [jax.ShapeDtypeStruct((T, H, P + R), checked.act), _like(q_in), _like(a["kv_cache"])],
         attrs,
         aliases={epilogue.inputs.index("q"): epilogue.outputs.index("q")},
     )
@@ -177,9 +177,9 @@ def fused_mla_qkv_quant_kv_cache_fp8_insert(
         epilogue,
         operands,
         [
-            jax.ShapeDtypeStruct((T, H, _checks.P + _checks.R), fp8),
-            jax.ShapeDtypeStruct((T, H, _checks.P + _checks.R), fp8),
-            jax.ShapeDtypeStruct((T, H, _checks.V), fp8),
+            jax.ShapeDtypeStruct((T, H, P + R), fp8),
+            jax.ShapeDtypeStruct((T, H, P + R), fp8),
+            jax.ShapeDtypeStruct((T, H, V), fp8),
             _like(a["kv_cache"]),
         ],
         attrs,
@@ -216,7 +216,7 @@ def fused_mla_decode_q_concat_kv_cache_insert(
     return _call(
         epilogue,
         operands,
-        [jax.ShapeDtypeStruct((checked.tokens, checked.heads, _checks.ENTRY), q_dtype), _like(a["kv_cache"])],
+        [jax.ShapeDtypeStruct((checked.tokens, checked.heads, ENTRY), q_dtype), _like(a["kv_cache"])],
         attrs,
     )
 
@@ -245,14 +245,21 @@ def _sm_count() -> int:
     return getattr(jax.devices()[0], "core_count", None) or DEFAULT_SM_COUNT
 
 
+def gpu_compute_capability() -> tuple[int, int] | None:
+    """(major, minor) of the default device when it is a GPU that says, else None."""
+    if jax.default_backend() != "gpu":
+        return None
+    try:
+        major, minor = str(jax.devices()[0].compute_capability).split(".")[:2]
+        return int(major), int(minor)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
 def _gpu_is_sm90() -> bool:
     """Whether the default device is an sm_90 GPU (H100/H200), where the wgmma kernels run."""
-    if jax.default_backend() != "gpu":
-        return False
-    try:
-        return int(float(jax.devices()[0].compute_capability)) == 9
-    except (AttributeError, TypeError, ValueError):
-        return False
+    cc = gpu_compute_capability()
+    return cc is not None and cc[0] == 9
 
 
 def wide_kernel_applies(cache_dtype, batch: int, q_tokens: int, heads: int) -> bool:
@@ -270,12 +277,8 @@ def _decode_rows_per_cta(cache_dtype, batch: int, q_tokens: int, heads: int) -> 
 def _gpu_before_hopper() -> bool:
     """Whether the default device is a GPU older than sm_90, where the decode attention kernel
     cannot run (it needs TMA and 178-222 KB of shared memory per block)."""
-    if jax.default_backend() != "gpu":
-        return False
-    try:
-        return float(jax.devices()[0].compute_capability) < 9.0
-    except (AttributeError, TypeError, ValueError):
-        return False
+    cc = gpu_compute_capability()
+    return cc is not None and cc < (9, 0)
 
 
 def default_num_splits(batch: int, rows: int, max_len: int, sm_count: int, rows_per_cta: int = ROWS_PER_CTA) -> int:
@@ -341,13 +344,13 @@ def mla_decode_attention(
     max_len = c.block_tables.shape[1] * c.kv_cache.shape[1]
     splits = c.num_splits or default_num_splits(B, S * H, max_len, _sm_count(), _decode_rows_per_cta(c.kv_cache.dtype, B, S, H))
     scales = [_reader_scale(c.q_scale_inv), _reader_scale(c.cache_scale_inv)]
-    partials = (splits * B * S * H * (_checks.L + 1),) if splits > 1 else (0,)
+    partials = (splits * B * S * H * (L + 1),) if splits > 1 else (0,)
     # The FFI query is [B * S_q, H, 576]: the decode epilogue's mqa_q as it comes.
     out, lse, _ = _ffi.call(
         "mla_decode_attention",
-        [c.q.reshape(B * S, H, _checks.ENTRY), c.kv_cache, c.block_tables, c.context_lens, *scales],
+        [c.q.reshape(B * S, H, ENTRY), c.kv_cache, c.block_tables, c.context_lens, *scales],
         [
-            jax.ShapeDtypeStruct((B * S, H, _checks.L), c.out_dtype),
+            jax.ShapeDtypeStruct((B * S, H, L), c.out_dtype),
             jax.ShapeDtypeStruct((B * S, H), jnp.float32),
             jax.ShapeDtypeStruct(partials, jnp.float32),
         ],
@@ -355,7 +358,7 @@ def mla_decode_attention(
         {"softmax_scale": np.float32(c.softmax_scale), "q_tokens": np.int64(S), "num_splits": np.int64(splits)},
     )
     lead = (B,) if c.squeeze else (B, S)
-    out, lse = out.reshape(*lead, H, _checks.L), lse.reshape(*lead, H)
+    out, lse = out.reshape(*lead, H, L), lse.reshape(*lead, H)
     return (out, lse) if return_lse else out
 
 
@@ -389,7 +392,7 @@ def gather_mla_cache(kv_cache, block_tables, context_lens, *, num_tokens=None, d
     (out,) = _ffi.call(
         "gather_mla_cache",
         [c.kv_cache, c.block_tables, c.context_lens, _reader_scale(c.cache_scale_inv)],
-        [jax.ShapeDtypeStruct((c.num_tokens, _checks.ENTRY), c.out_dtype)],
+        [jax.ShapeDtypeStruct((c.num_tokens, ENTRY), c.out_dtype)],
         {},
         {},
     )

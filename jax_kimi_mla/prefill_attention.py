@@ -31,6 +31,8 @@ import inspect
 import jax
 import jax.numpy as jnp
 
+from . import ops
+
 IMPLS = ("auto", "cudnn", "blockwise")
 MIN_CUDNN_VERSION = 91000  # cuDNN 9.10: MLA head dims (v != q) in flash attention
 MIN_COMPUTE_CAPABILITY = (9, 0)  # Hopper; also what cuDNN needs for the packed layout
@@ -73,7 +75,7 @@ def device_problem() -> str | None:
     device = jax.devices()[0]
     if device.platform != "gpu" or "cuda" not in getattr(device.client, "platform_version", "cuda").lower():
         return f"the default device is {device.platform} ({device.device_kind}), not a CUDA GPU"
-    capability = tuple(int(x) for x in str(getattr(device, "compute_capability", "0.0")).split(".")[:2])
+    capability = ops.gpu_compute_capability() or (0, 0)
     if capability < MIN_COMPUTE_CAPABILITY:
         return f"{device.device_kind} has compute capability {capability}, below {MIN_COMPUTE_CAPABILITY} (Hopper)"
     try:
@@ -111,13 +113,12 @@ def choose(impl: str, *, packed: bool, context: bool) -> str:
     return "blockwise"
 
 
-def _segments(cu, num_tokens):
+def segments(cu, num_tokens):
     """(sequence of each token [T], its index in its sequence [T]); padding tokens (past cu[-1])
     get sequence S."""
     i = jnp.arange(num_tokens, dtype=jnp.int32)
     seq = jnp.searchsorted(cu[1:], i, side="right").astype(jnp.int32)
-    start = jnp.concatenate([cu[:-1], cu[-1:]])[seq]
-    return seq, i - start
+    return seq, i - cu[seq]
 
 
 def _call(api, q, k, v, *, scale, causal, q_lens=None, kv_lens=None, q_starts=None, kv_starts=None, lse=False):
@@ -191,7 +192,7 @@ def cudnn_attention(q, k, v, cu, *, scale, ctx_k=None, ctx_v=None, ctx_lens=None
         raise ValueError(f"jax {jax.__version__}: its private cuDNN attention module is not usable here")
     call = functools.partial(_call, module, scale=scale, lse=context)
     packed = S > 1
-    seq, local = _segments(cu, T)
+    seq, local = segments(cu, T)
     if packed:
         # Packed segments: the layout's ragged offsets count v (and out) in q's head width, so v
         # travels padded to 192 columns (docs/PREFILL.md); empty segments are left out (-1).

@@ -1,4 +1,4 @@
-"""The epilogues in plain jax.numpy: same signatures, same checks, same returns as the FFI ops.
+"""The public ops in plain jax.numpy: same signatures, same checks, same returns as the FFI ops.
 
 For tests, notebooks and as a fallback. Jit-able (numpy operands too, closed over or passed); under ``jax.jit(..., donate_argnums=...)`` XLA
 updates the cache in place here too (a scatter). Among valid tokens that share a slot, the
@@ -11,10 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from . import _checks
-from .formats import CACHE_FORMATS
+from .formats import CACHE_FORMATS, ENTRY, L, P, R
 from .numerics import ds_mla_dequantize, ds_mla_encode, quantize_e4m3, rope
-
-P = _checks.P
 
 
 def _concat_bits(parts, broadcast=None):
@@ -29,7 +27,7 @@ def _concat_bits(parts, broadcast=None):
 
 def _rotated_k_pe(k_pe, checked, positions, cos_sin_cache):
     """k_pe as float32 [T, 64], RoPE'd when RoPE is on."""
-    x = k_pe.reshape(checked.tokens, _checks.R).astype(jnp.float32)
+    x = k_pe.reshape(checked.tokens, R).astype(jnp.float32)
     return rope(x, positions, cos_sin_cache, checked.rope_style) if checked.rope else x
 
 
@@ -78,7 +76,7 @@ def _prefill(fmt, q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, position
     a = _checks.sliced(a)
     T, H = checked.tokens, checked.heads
     r32 = _rotated_k_pe(a["k_pe"], checked, a["positions"], a["cos_sin_cache"])
-    k_pe = a["k_pe"].reshape(T, _checks.R)
+    k_pe = a["k_pe"].reshape(T, R)
     r = _rounded(r32, k_pe, checked.rope, checked.act)
     k = _concat_bits([a["k_nope"], r[:, None, :]], broadcast=(T, H))
     q = a["q"]
@@ -114,11 +112,11 @@ def fused_mla_qkv_quant_kv_cache_fp8_insert(
     q32 = a["q"].astype(jnp.float32)
     if checked.rope:
         q32 = jnp.concatenate([q32[..., :P], rope(q32[..., P:], a["positions"], a["cos_sin_cache"], checked.rope_style)], -1)
-    k32 = jnp.concatenate([a["k_nope"].astype(jnp.float32), jnp.broadcast_to(r32[:, None, :], (T, H, _checks.R))], -1)
+    k32 = jnp.concatenate([a["k_nope"].astype(jnp.float32), jnp.broadcast_to(r32[:, None, :], (T, H, R))], -1)
     q_fp8 = quantize_e4m3(q32, scales[0])
     k_fp8 = quantize_e4m3(k32, scales[1])
     v_fp8 = quantize_e4m3(a["v"].astype(jnp.float32), scales[2])
-    cache = _insert(a["kv_cache"], _entry("fp8", a["kv_c_normed"], r32, a["k_pe"].reshape(T, _checks.R), checked.rope, scales[3]), a["slot_mapping"])
+    cache = _insert(a["kv_cache"], _entry("fp8", a["kv_c_normed"], r32, a["k_pe"].reshape(T, R), checked.rope, scales[3]), a["slot_mapping"])
     return q_fp8, k_fp8, v_fp8, cache
 
 
@@ -139,7 +137,7 @@ def fused_mla_decode_q_concat_kv_cache_insert(
         mqa_q = quantize_e4m3(jnp.concatenate([a["ql_nope"].astype(jnp.float32), q_pe32], -1), a["q_scale_inv"])
     else:
         mqa_q = _concat_bits([a["ql_nope"], _rounded(q_pe32, a["q_pe"], checked.rope, checked.act)])
-    k_pe = a["k_pe"].reshape(checked.tokens, _checks.R)
+    k_pe = a["k_pe"].reshape(checked.tokens, R)
     cache = _insert(a["kv_cache"], _entry(fmt, a["kv_c_normed"], r32, k_pe, checked.rope, a.get("cache_scale_inv")), a["slot_mapping"])
     return mqa_q, cache
 
@@ -185,7 +183,7 @@ def mla_decode_attention(
     total = jnp.sum(p, -1, keepdims=True)
     lse = (jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(total))[..., 0]
     p = p / jnp.where(total > 0, total, 1.0)
-    latent = entries[..., : _checks.L]
+    latent = entries[..., : L]
     if S == 1:
         out = jnp.einsum("bsht,btl->bshl", p, latent)
     else:  # the newest tokens are visible to some queries only: 0 * NaN must not reach the others
@@ -210,5 +208,5 @@ def gather_mla_cache(kv_cache, block_tables, context_lens, *, num_tokens=None, d
     entries = jnp.where(in_cache[..., None], entries, 0.0).astype(c.out_dtype)
     first = jnp.cumsum(lens) - lens  # each sequence's first output row
     rows = jnp.where(t < lens[:, None], first[:, None] + t, c.num_tokens)  # past the length: dropped
-    out = jnp.zeros((c.num_tokens, _checks.ENTRY), c.out_dtype)
-    return out.at[rows.reshape(-1)].set(entries.reshape(-1, _checks.ENTRY), mode="drop")
+    out = jnp.zeros((c.num_tokens, ENTRY), c.out_dtype)
+    return out.at[rows.reshape(-1)].set(entries.reshape(-1, ENTRY), mode="drop")

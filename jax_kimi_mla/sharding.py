@@ -39,10 +39,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from ._checks import Columns
+from .formats import PER_HEAD_INPUTS
 
 # Inputs with a head axis (axis 1) and inputs with a token axis (axis 0); arguments not named
 # here (cos_sin_cache, the scales) are replicated, and the cache gets its own rule.
-_PER_HEAD = frozenset({"q", "k_nope", "v", "ql_nope", "q_pe"})
+_PER_HEAD = PER_HEAD_INPUTS
 _PER_TOKEN = _PER_HEAD | {"k_pe", "kv_c_normed", "slot_mapping", "positions"}
 _CACHE = "kv_cache"
 
@@ -92,7 +93,7 @@ def shard(op, mesh, *, head_axis=None, token_axis=None):
     """``op`` (an epilogue op or its reference) run per device under ``shard_map``.
 
     Args:
-      op: one of the four public ops, or the function of the same name in
+      op: one of the four epilogue ops, or the function of the same name in
         :mod:`jax_kimi_mla.reference`.
       mesh: a ``jax.sharding.Mesh``.
       head_axis: mesh axis that splits the heads (tensor parallel), or None.

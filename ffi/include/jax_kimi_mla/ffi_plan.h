@@ -137,7 +137,7 @@ inline RowSpec row_spec(const RowShape& shape, Strided<const uint16_t> nope, Str
   return r;
 }
 
-// Operand order (Python's _ffi passes the same):
+// Operand order (formats.EPILOGUES in Python; ops._operands builds it):
 //   prefill:  q, k_nope, k_pe, kv_c_normed, [v], kv_cache, slot_mapping, positions, cos_sin_cache,
 //             [q_scale_inv, k_scale_inv, v_scale_inv, cache_scale_inv]  -> k | q_fp8, q | k_fp8,
 //             [v_fp8], kv_cache

@@ -230,19 +230,13 @@ JKM_HD void rope_pair(float x0, float x1, float c, float s, float& y0, float& y1
 // 2i + 1, NeoX (rotate-half) pairs elements i and i + 32.
 enum class RopeStyle : uint8_t { kGptj, kNeox };
 
-JKM_HD int rope_pair_index(RopeStyle style, int k) {  // the pair of element k
-  return style == RopeStyle::kGptj ? k / 2 : k % (kRope / 2);
-}
-JKM_HD int rope_partner(RopeStyle style, int k) {  // the other element of k's pair
-  return style == RopeStyle::kGptj ? k ^ 1 : k ^ (kRope / 2);
-}
 JKM_HD bool rope_is_first(RopeStyle style, int k) {  // k is x0 of its pair (else x1)
   return style == RopeStyle::kGptj ? k % 2 == 0 : k < kRope / 2;
 }
 
-// Element k of the rotated rope part from x[k], x[rope_partner(k)] and its pair's (c, s) =
-// (row[i], row[32 + i]), i = rope_pair_index(style, k): y0 or y1 of rope_pair, the same
-// operations as rotating the whole pair.
+// Element k of the rotated rope part from x[k], its partner x[k ^ 1] (GPT-J) or x[k ^ 32] (NeoX),
+// and its pair's (c, s) = (row[i], row[32 + i]), i = k / 2 (GPT-J) or k % 32 (NeoX): y0 or y1 of
+// rope_pair, the same operations as rotating the whole pair.
 JKM_HD float rope_element(RopeStyle style, int k, float xk, float x_partner, float c, float s) {
   float y0, y1;
   if (rope_is_first(style, k)) {
