@@ -307,10 +307,7 @@ def decode(ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, ds_mla, q_s
         args["cache_scale_inv"] = scale("cache_scale_inv", cache_scale_inv)
         fmt = "fp8"
     else:
-        if jnp.dtype(cache.dtype) == UINT8:
-            raise TypeError("kv_cache is uint8 (an fp8_ds_mla cache?) but ds_mla=False; pass ds_mla=True")
-        if jnp.dtype(cache.dtype) == FP8:
-            raise TypeError("kv_cache is float8_e4m3fn (the plain fp8 cache), which needs q_scale_inv and cache_scale_inv; neither was given")
+        _cache_dtype_hints(cache, "q_scale_inv and cache_scale_inv; neither was given")
         args["kv_cache"] = c.cache(cache, CACHE_FORMATS["bf16"])
         fmt = "bf16"
     args["slot_mapping"] = c.index("slot_mapping", slot_mapping)
@@ -377,7 +374,7 @@ def decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale,
     else:
         if q_scale_inv is not None or q_fp8:
             raise ValueError("an fp8 mqa_q (with q_scale_inv) reads only the plain fp8 cache, which needs cache_scale_inv")
-        _reader_cache_hints(kv_cache)
+        _cache_dtype_hints(kv_cache)
         fmt, why = "bf16", " of mqa_q"
     cache(kv_cache, CACHE_FORMATS[fmt], q.dtype, why)
     if q_fp8 != (q_scale_inv is not None):
@@ -413,12 +410,13 @@ class GatherCall:
     out_dtype: jnp.dtype
 
 
-def _reader_cache_hints(kv_cache) -> None:
-    """A reader called without ds_mla or cache_scale_inv on a cache whose dtype says it needs one."""
+def _cache_dtype_hints(kv_cache, fp8_needs: str = "cache_scale_inv; it was not given") -> None:
+    """A call that takes the 16-bit cache (no ds_mla, no scales) on a cache whose dtype says it is
+    another format; ``fp8_needs``: what the plain fp8 cache would need here."""
     if jnp.dtype(kv_cache.dtype) == UINT8:
         raise TypeError("kv_cache is uint8 (an fp8_ds_mla cache?) but ds_mla=False; pass ds_mla=True")
     if jnp.dtype(kv_cache.dtype) == FP8:
-        raise TypeError("kv_cache is float8_e4m3fn (the plain fp8 cache), which needs cache_scale_inv; it was not given")
+        raise TypeError(f"kv_cache is float8_e4m3fn (the plain fp8 cache), which needs {fp8_needs}")
 
 
 def paged_tables(block_tables, context_lens, batch: int | None = None):
@@ -447,7 +445,7 @@ def gather_cache(kv_cache, block_tables, context_lens, num_tokens, ds_mla, cache
     elif cache_scale_inv is not None:
         fmt, act, why = "fp8", None, ", as cache_scale_inv was given"
     else:
-        _reader_cache_hints(kv_cache)
+        _cache_dtype_hints(kv_cache)
         expect_dtype("kv_cache", kv_cache, ACT_DTYPES)
         fmt, act, why = "bf16", kv_cache.dtype, ""
     cache(kv_cache, CACHE_FORMATS[fmt], act, why)
