@@ -391,8 +391,8 @@ def test_detector_catches_a_layer_sliced_out_of_the_stack():
         return jax.lax.scan(layer, stack, jnp.arange(layers))
 
     hlo = compiled(jax.jit(step, donate_argnums=0), stack, *args)
-    assert copy_fusions(hlo, [(NUM_BLOCKS, BLOCK_SIZE, 576)])  # the layer, sliced out
-    assert copies(hlo, [stack.shape])  # and here the whole stack too, every iteration
+    # The layer, sliced out (jax 0.10 also copies the whole stack every iteration; 0.12 does not).
+    assert copy_fusions(hlo, [(NUM_BLOCKS, BLOCK_SIZE, 576)])
 
 
 def test_sharding_and_errors_doc_blocks_copy_nothing(monkeypatch):
