@@ -390,6 +390,7 @@ def test_detector_catches_a_layer_sliced_out_of_the_stack():
 
         return jax.lax.scan(layer, stack, jnp.arange(layers))
 
+    stack, args = jax.device_put((stack, args), jax.devices("cpu")[0])  # XLA:CPU's program (a GPU's names differ)
     hlo = compiled(jax.jit(step, donate_argnums=0), stack, *args)
     # The layer, sliced out (jax 0.10 also copies the whole stack every iteration; 0.12 does not).
     assert copy_fusions(hlo, [(NUM_BLOCKS, BLOCK_SIZE, 576)])

@@ -50,7 +50,9 @@ def replicated(x, mesh):
 
 
 def inputs(fmt, seed=0):
-    config = ml.MLAConfig(**CONFIG, cache_format=fmt, output_gate=True)
+    # Blockwise prefill attention: "auto" follows the default device, which may be a GPU, and these
+    # arrays live on CPU devices.
+    config = ml.MLAConfig(**CONFIG, cache_format=fmt, output_gate=True, attention_impl="blockwise")
     key = jax.random.split(jax.random.key(seed), 4)
     params = ml.init_params(key[0], config)
     x = jax.random.normal(key[1], (16, CONFIG["hidden_size"]), jnp.bfloat16)
