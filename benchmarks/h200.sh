@@ -4,7 +4,7 @@
 #   bash benchmarks/h200.sh [build] [test] [attn-test] [sanitize] [attn-sanitize] [selfcheck]
 #                           [bench] [bench-quick] [attn-bench] [attn-bench-quick] [prefill-test]
 #                           [prefill-bench] [prefill-bench-quick] [serve-h200] [ncu] [attn-ncu]
-#                           [soft-fp8] [wheel] [gather-probe] [attn-probe] [attn-phases]
+#                           [soft-fp8] [wheel] [gather-probe] [attn-probe] [attn-phases] [attn-pdl]
 # Logs and a tarball of benchmarks/results go to $OUT (or ./h200-out).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -142,6 +142,17 @@ for s in $stages; do
         benchmarks/probes/copy_patterns.cu && stage copy-patterns "$bin/copy_patterns"
       stage gather-probe-memcheck compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 10 \
         "$bin/bulk" --check-only ;;
+    attn-pdl)
+      # combine_kernel by programmatic dependent launch (JAX_KIMI_MLA_DECODE_PDL=1) against the plain
+      # launch, A B A B in one process each: the op's summed kernel time and its span (first start to
+      # last end), then each kernel apiece; its tests first.
+      points="small bf16 H=12 B=1 ctx=4096,small fp8_ds_mla H=12 B=1 ctx=4096,small bf16 H=12 B=8 ctx=16384"
+      points="$points,memory bf16 H=12 B=16 ctx=16384,memory fp8 H=12 B=16 ctx=16384"
+      stage attn-pdl bash -c "python3 -P -m pytest -q -p no:cacheprovider tests/test_decode_attention.py -k programmatic &&
+        for tag in A B A B; do
+          JAX_KIMI_MLA_DECODE_PDL=\$([ \$tag = B ] && echo 1 || echo 0) python3 -P benchmarks/points.py --tag \$tag --kernels \
+            --attention '$points'
+        done" ;;
     attn-probe|attn-phases)
       # The decode attention kernels alone (no extension build; benchmarks/probes/decode_attention.cu).
       # attn-probe: the JAX_KIMI_MLA_DECODE_KERNEL choices mma, default and rs on the same inputs,

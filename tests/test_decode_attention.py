@@ -300,6 +300,38 @@ def test_cuda_kernels_taken_on_request(monkeypatch, kernel, fmt, q_dtype, case):
         assert np.isnan(want[1][0]).all() and np.isfinite(want[1][1]).all()
 
 
+# JAX_KIMI_MLA_DECODE_PDL=1: combine_kernel launched as a programmatic dependent of the attention
+# kernel before it. Each case takes one combine shape (the CTAs a row and warps a CTA follow the
+# rows against the SMs: B = 1 four column parts, B = 4 two, B = 8 one, B = 8 x 64 heads 4 warps)
+# after each attention kernel that can precede it (attention_kernel, fp8_attention_kernel,
+# rs_attention_kernel with the combine, wide_attention_kernel).
+PDL_CASES = {
+    "bf16, B 1": ("default", "bf16", "bfloat16", dict(lens=(4096,), heads=12)),
+    "bf16, B 4": ("default", "bf16", "bfloat16", dict(lens=(0, 1, 700, 3000), heads=12)),
+    "fp8, B 8": ("default", "fp8", "float8_e4m3fn", dict(lens=(0, 1, 700, 3000, 129, 64, 5000, 2), heads=12)),
+    "fp8_ds_mla rs, B 4": ("rs-combine", "fp8_ds_mla", "bfloat16", dict(lens=(0, 1, 700, 3000), heads=12)),
+    "fp8_ds_mla, B 1, a NaN": ("default", "fp8_ds_mla", "bfloat16", dict(lens=(4096,), heads=12, nan_token=(0, 2000))),
+    "bf16 wide, B 8 x 64 heads": ("default", "bf16", "bfloat16", dict(lens=(0, 1, 700, 3000, 129, 64, 5000, 2), heads=64)),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", PDL_CASES)
+def test_cuda_combine_by_programmatic_launch(monkeypatch, case):
+    """The same bits with and without the programmatic launch, and the reference's values."""
+    kernel, fmt, q_dtype, spec = PDL_CASES[case]
+    if kernel != "default":
+        monkeypatch.setenv("JAX_KIMI_MLA_DECODE_KERNEL", kernel)
+    args, kw = make_case(fmt, q_dtype, block_size=64, seed=14, **spec)
+    kw = dict(kw, num_splits=64 if len(spec["lens"]) == 1 else 8)
+    plain = poisoned_run(args, kw, "cuda")
+    monkeypatch.setenv("JAX_KIMI_MLA_DECODE_PDL", "1")
+    programmatic = poisoned_run(args, kw, "cuda")
+    for got, want in zip(programmatic, plain):
+        np.testing.assert_array_equal(got, want)  # NaN where NaN
+    assert_close(fmt, q_dtype, programmatic, run(reference.mla_decode_attention, args, kw, "cpu"))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("kernel", ["default", "rs"])
 def test_cuda_ds_mla_scales_far_apart(monkeypatch, kernel):

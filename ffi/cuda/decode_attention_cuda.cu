@@ -160,6 +160,23 @@ constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 static_assert(kColumnHalves == 2 && kTokensPerGroup == 16 && kOutBlocks % 2 == 0,
               "a warp's logits are two n-blocks of one column half");
 
+// Programmatic dependent launch (sm_90+). With JAX_KIMI_MLA_DECODE_PDL=1 the host launches
+// combine_kernel with programmatic stream serialization: it may start while the attention kernel
+// before it runs, once every CTA of that kernel has started and let it (each does so at its
+// entry), and it waits for the whole attention grid, its memory writes included, before it reads
+// anything that grid wrote. Its launch and its CTAs' start thus overlap the attention kernel's
+// tail instead of following it. Without that launch attribute both instructions do nothing.
+__device__ __forceinline__ void let_dependent_launch_start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Where everything lives in dynamic shared memory (byte offsets, all multiples of 16; the stages
 // first, at the 1024-byte-aligned start, as the 128-byte swizzle of the TMA boxes needs).
 template <CacheFormat kFormat>
@@ -1226,6 +1243,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     attention_kernel(const DecodeAttention a, const __grid_constant__ TileMaps maps) {
   extern __shared__ __align__(1024) uint8_t smem[];
   JKM_PHASE_AT(0);
+  let_dependent_launch_start();
   if constexpr (Layout<kFormat>::kSwizzled) prefetch_tile_maps(maps);
   const Scales scales = load_scales<kFormat>(a);
   for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) attend<kFormat, kElem>(a, maps, b, scales, smem);
@@ -1444,6 +1462,7 @@ __device__ void attend_fp8(const DecodeAttention& a, int64_t b, const Scales& sc
 __global__ void __launch_bounds__(kThreads, 1) fp8_attention_kernel(const DecodeAttention a) {
   extern __shared__ __align__(1024) uint8_t smem[];
   JKM_PHASE_AT(0);
+  let_dependent_launch_start();
   const Scales scales = load_scales<CacheFormat::kFp8>(a);
   for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) attend_fp8(a, b, scales, smem);
   JKM_PHASE_AT(6);
@@ -1973,6 +1992,7 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
 __global__ void __launch_bounds__(kThreads, 1) rs_attention_kernel(const DecodeAttention a) {
   extern __shared__ __align__(1024) uint8_t smem[];
   JKM_PHASE_AT(0);
+  let_dependent_launch_start();
   attend_rs(a, blockIdx.z, load_scales<CacheFormat::kFp8DsMla>(a), smem);
   JKM_PHASE_AT(6);
 }
@@ -1999,6 +2019,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const Decod
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const int64_t rows = a.rows(), r = blockIdx.x;
   const int first_column = int(blockIdx.z) * kPartColumns;
+  wait_for_prior_grid();  // the partials are the attention kernel's
   for (int64_t b = blockIdx.y; b < a.batch; b += gridDim.y) {
     const int64_t len = a.context_len(b);
     float4 acc[kLaneChunks] = {};
@@ -2324,6 +2345,7 @@ template <ActType kElem>
 __global__ void __launch_bounds__(kWideThreads, 1)
     wide_attention_kernel(const DecodeAttention a, const __grid_constant__ TileMaps maps) {
   extern __shared__ __align__(1024) uint8_t smem[];
+  let_dependent_launch_start();
   prefetch_tile_maps(maps);
   const Scales scales = load_scales<CacheFormat::kBf16>(a);
   for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) attend_wide<kElem>(a, maps, b, scales, smem);
@@ -2513,6 +2535,25 @@ ActType mma_type(const DecodeAttention& a) {
   return f16 ? ActType::kF16 : ActType::kBF16;
 }
 
+// JAX_KIMI_MLA_DECODE_PDL=1 (read per call; off by default until measured on the GPU): combine_kernel
+// by programmatic dependent launch (let_dependent_launch_start).
+bool programmatic_combine() {
+  const char* env = std::getenv("JAX_KIMI_MLA_DECODE_PDL");
+  return env != nullptr && std::string(env) == "1";
+}
+
+// combine_kernel over (rows, sequences) x kColumnParts, by programmatic dependent launch or not.
+template <int kCombineWarps, int kColumnParts>
+cudaError_t launch_combine(cudaStream_t stream, const DecodeAttention& a, dim3 row_grid, bool programmatic) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(row_grid.x, row_grid.y, kColumnParts), config.blockDim = dim3(32 * kCombineWarps);
+  config.stream = stream, config.attrs = &attribute, config.numAttrs = programmatic ? 1 : 0;
+  return cudaLaunchKernelEx(&config, combine_kernel<kCombineWarps, kColumnParts>, a);
+}
+
 ffi::Error run(cudaStream_t stream, const DecodeAttention& a) {
   int device = 0, major = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
@@ -2567,14 +2608,18 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a) {
     int sm_count = 0;
     cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
     const int64_t ctas = rows * batch_blocks;
+    const bool programmatic = programmatic_combine();
+    const dim3 row_grid(unsigned(rows), batch_blocks);
+    cudaError_t combine_err;
     if (4 * ctas <= sm_count)
-      combine_kernel<16, 4><<<dim3(unsigned(rows), batch_blocks, 4), 32 * 16, 0, stream>>>(a);
+      combine_err = launch_combine<16, 4>(stream, a, row_grid, programmatic);
     else if (2 * ctas <= sm_count)
-      combine_kernel<16, 2><<<dim3(unsigned(rows), batch_blocks, 2), 32 * 16, 0, stream>>>(a);
+      combine_err = launch_combine<16, 2>(stream, a, row_grid, programmatic);
     else if (ctas < 2 * int64_t(sm_count))
-      combine_kernel<16, 1><<<dim3(unsigned(rows), batch_blocks), 32 * 16, 0, stream>>>(a);
+      combine_err = launch_combine<16, 1>(stream, a, row_grid, programmatic);
     else
-      combine_kernel<4, 1><<<dim3(unsigned(rows), batch_blocks), 32 * 4, 0, stream>>>(a);
+      combine_err = launch_combine<4, 1>(stream, a, row_grid, programmatic);
+    if (combine_err != cudaSuccess) return cuda_error("launching combine_kernel", combine_err);
   }
   const cudaError_t launch_err = cudaGetLastError();
   return launch_err == cudaSuccess ? ffi::Error::Success() : cuda_error("kernel launch", launch_err);
