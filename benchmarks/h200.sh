@@ -143,9 +143,9 @@ for s in $stages; do
       stage gather-probe-memcheck compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 10 \
         "$bin/bulk" --check-only ;;
     attn-pdl)
-      # combine_kernel by programmatic dependent launch (JAX_KIMI_MLA_DECODE_PDL=1) against the plain
-      # launch, A B A B in one process each: the op's summed kernel time and its span (first start to
-      # last end), then each kernel apiece; its tests first.
+      # combine_kernel by programmatic dependent launch (B, the default) against the plain launch (A:
+      # JAX_KIMI_MLA_DECODE_PDL=0), A B A B in one process each: the op's span (first start to last
+      # end) and its summed kernel time, then each kernel apiece; its tests first.
       points="small bf16 H=12 B=1 ctx=4096,small fp8_ds_mla H=12 B=1 ctx=4096,small bf16 H=12 B=8 ctx=16384"
       points="$points,memory bf16 H=12 B=16 ctx=16384,memory fp8 H=12 B=16 ctx=16384"
       stage attn-pdl bash -c "python3 -P -m pytest -q -p no:cacheprovider tests/test_decode_attention.py -k programmatic &&

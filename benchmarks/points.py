@@ -51,8 +51,8 @@ def attention_point(case: bench_attention.Case, ceiling: float) -> str:
     row = bench_attention.measure_case(case, bench_attention.FULL, ceiling, None, seed=0)
     if row.get("op_us") is None:
         return f"{case.name}: {row['error']}"
-    span = f" (span {row['op_span_us']:.2f} us)" if row.get("op_span_us") is not None else ""
-    return (f"{case.name}: op {row['op_us']:9.2f} us{span}, reference {row.get('ref_us') or float('nan'):9.2f} us, "
+    summed = f" (kernels summed {row['op_kernel_sum_us']:.2f} us)" if row.get("op_kernel_sum_us") is not None else ""
+    return (f"{case.name}: op {row['op_us']:9.2f} us{summed}, reference {row.get('ref_us') or float('nan'):9.2f} us, "
             f"{row['ceiling_fraction']:6.1%} of the ceiling")
 
 

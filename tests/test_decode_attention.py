@@ -300,8 +300,8 @@ def test_cuda_kernels_taken_on_request(monkeypatch, kernel, fmt, q_dtype, case):
         assert np.isnan(want[1][0]).all() and np.isfinite(want[1][1]).all()
 
 
-# JAX_KIMI_MLA_DECODE_PDL=1: combine_kernel launched as a programmatic dependent of the attention
-# kernel before it. Each case takes one combine shape (the CTAs a row and warps a CTA follow the
+# combine_kernel launched as a programmatic dependent of the attention kernel before it (the default)
+# against the plain launch (JAX_KIMI_MLA_DECODE_PDL=0). Each case takes one combine shape (the CTAs a row and warps a CTA follow the
 # rows against the SMs: B = 1 four column parts, B = 4 two, B = 8 one, B = 8 x 64 heads 4 warps)
 # after each attention kernel that can precede it (attention_kernel, fp8_attention_kernel,
 # rs_attention_kernel with the combine, wide_attention_kernel).
@@ -324,8 +324,9 @@ def test_cuda_combine_by_programmatic_launch(monkeypatch, case):
         monkeypatch.setenv("JAX_KIMI_MLA_DECODE_KERNEL", kernel)
     args, kw = make_case(fmt, q_dtype, block_size=64, seed=14, **spec)
     kw = dict(kw, num_splits=64 if len(spec["lens"]) == 1 else 8)
+    monkeypatch.setenv("JAX_KIMI_MLA_DECODE_PDL", "0")
     plain = poisoned_run(args, kw, "cuda")
-    monkeypatch.setenv("JAX_KIMI_MLA_DECODE_PDL", "1")
+    monkeypatch.delenv("JAX_KIMI_MLA_DECODE_PDL")
     programmatic = poisoned_run(args, kw, "cuda")
     for got, want in zip(programmatic, plain):
         np.testing.assert_array_equal(got, want)  # NaN where NaN

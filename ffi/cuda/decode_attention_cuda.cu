@@ -160,8 +160,8 @@ constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 static_assert(kColumnHalves == 2 && kTokensPerGroup == 16 && kOutBlocks % 2 == 0,
               "a warp's logits are two n-blocks of one column half");
 
-// Programmatic dependent launch (sm_90+). With JAX_KIMI_MLA_DECODE_PDL=1 the host launches
-// combine_kernel with programmatic stream serialization: it may start while the attention kernel
+// Programmatic dependent launch (sm_90+). The host launches combine_kernel with programmatic
+// stream serialization (unless JAX_KIMI_MLA_DECODE_PDL=0): it may start while the attention kernel
 // before it runs, once every CTA of that kernel has started and let it (each does so at its
 // entry), and it waits for the whole attention grid, its memory writes included, before it reads
 // anything that grid wrote. Its launch and its CTAs' start thus overlap the attention kernel's
@@ -2535,11 +2535,12 @@ ActType mma_type(const DecodeAttention& a) {
   return f16 ? ActType::kF16 : ActType::kBF16;
 }
 
-// JAX_KIMI_MLA_DECODE_PDL=1 (read per call; off by default until measured on the GPU): combine_kernel
-// by programmatic dependent launch (let_dependent_launch_start).
+// combine_kernel by programmatic dependent launch (let_dependent_launch_start) unless
+// JAX_KIMI_MLA_DECODE_PDL=0 (read per call, for comparisons): the call's span at B = 1-8 is about
+// 1 us shorter (docs/DECODE_ATTENTION.md, Twenty-second round).
 bool programmatic_combine() {
   const char* env = std::getenv("JAX_KIMI_MLA_DECODE_PDL");
-  return env != nullptr && std::string(env) == "1";
+  return env == nullptr || std::string(env) != "0";
 }
 
 // combine_kernel over (rows, sequences) x kColumnParts, by programmatic dependent launch or not.
