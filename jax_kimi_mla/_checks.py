@@ -132,12 +132,14 @@ def expect_shape(name: str, x, want: tuple, what: str) -> None:
 
 
 class _Checker:
-    """Checks one call: the first per-head input fixes T, H and the activation dtype."""
+    """Checks one call: the first per-head input fixes the token count (T in prefill, B in decode),
+    H and the activation dtype."""
 
-    def __init__(self, first_name: str, first, width: int):
+    def __init__(self, first_name: str, first, width: int, t: str = "T"):
+        self.t = t  # the token dimension's letter in the op's docs
         x = as_array(first_name, first)
         expect_dtype(first_name, x, ACT_DTYPES)
-        expect_shape(first_name, x, (None, None, width), f"[T, H, {width}]")
+        expect_shape(first_name, x, (None, None, width), f"[{t}, H, {width}]")
         self.tokens, self.heads = int(x.shape[0]), int(x.shape[1])
         self.act = jnp.dtype(x.dtype)
         self.first_name = first_name
@@ -146,7 +148,7 @@ class _Checker:
     def _tokens_match(self, name: str, x) -> None:
         if x.ndim >= 1 and x.shape[0] != self.tokens:
             raise ValueError(
-                f"mismatched T: {name} has {x.shape[0]} tokens but {self.first_name} has {self.tokens} "
+                f"mismatched {self.t}: {name} has {x.shape[0]} tokens but {self.first_name} has {self.tokens} "
                 f"(shape {tuple(x.shape)})"
             )
 
@@ -184,23 +186,23 @@ class _Checker:
         return Columns(base, c.start)
 
     def per_head(self, name: str, x, width: int):
-        return self.activation(name, x, (self.heads, width), f"[T, H, {width}] = [{self.tokens}, {self.heads}, {width}]", True)
+        return self.activation(name, x, (self.heads, width), f"[{self.t}, H, {width}] = [{self.tokens}, {self.heads}, {width}]", True)
 
     def latent(self, name: str, x):
-        return self.activation(name, x, (L,), f"[T, {L}] = [{self.tokens}, {L}]", False)
+        return self.activation(name, x, (L,), f"[{self.t}, {L}] = [{self.tokens}, {L}]", False)
 
     def k_pe(self, x):
         x = x if isinstance(x, Columns) else as_array("k_pe", x)
         if (x.array if isinstance(x, Columns) else x).ndim == 3:
-            return self.activation("k_pe", x, (1, R), f"[T, 64] or [T, 1, 64] with T = {self.tokens}", False)
-        return self.activation("k_pe", x, (R,), f"[T, 64] or [T, 1, 64] with T = {self.tokens}", False)
+            return self.activation("k_pe", x, (1, R), f"[{self.t}, 64] or [{self.t}, 1, 64] with {self.t} = {self.tokens}", False)
+        return self.activation("k_pe", x, (R,), f"[{self.t}, 64] or [{self.t}, 1, 64] with {self.t} = {self.tokens}", False)
 
     def index(self, name: str, x):
         x = as_array(name, x)
         expect_dtype(name, x, INDEX_DTYPES)
         x = _int64_host_indices_as_int32(name, x)
         self._tokens_match(name, x)
-        expect_shape(name, x, (self.tokens,), f"[T] = [{self.tokens}]")
+        expect_shape(name, x, (self.tokens,), f"[{self.t}] = [{self.tokens}]")
         return x
 
     def cache(self, x, fmt: CacheFormat, why: str = ""):
@@ -283,7 +285,7 @@ def prefill(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos
 
 def decode(ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, ds_mla, q_scale_inv, cache_scale_inv, positions, cos_sin_cache, style="gptj"):
     """Checks a decode call and picks its cache format (a name of ``formats.CACHE_FORMATS``)."""
-    c = _Checker("ql_nope", ql_nope, L)
+    c = _Checker("ql_nope", ql_nope, L, t="B")
     args = dict(
         ql_nope=as_array("ql_nope", ql_nope),
         q_pe=c.per_head("q_pe", q_pe, R),
