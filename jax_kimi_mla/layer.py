@@ -477,7 +477,8 @@ def prefill(
     cu = jnp.asarray(cu_seqlens, jnp.int32)
     lens = jnp.zeros(cu.shape[0] - 1, jnp.int32) if block_table is None else jnp.asarray(context_len, jnp.int32)
     packed = cu.shape[0] > 2
-    impl = prefill_attention.choose(attention_impl or config.attention_impl, packed=packed, context=block_table is not None)
+    requested = attention_impl or config.attention_impl
+    impl = prefill_attention.choose(requested, packed=packed, context=block_table is not None)
     num_ctx = 0 if block_table is None else context_tokens or block_table.shape[0] * block_table.shape[1] * cache.shape[1]
     groups = prefill_head_groups(config, T, packed=packed, context_tokens=num_ctx)
     g = H // groups
@@ -524,17 +525,28 @@ def prefill(
 
     def attend(i, q, k, v, ctx):
         """Group i's attention output [T, g, 128], gated."""
-        if impl == "blockwise":
+
+        def blockwise(q, k, v, ctx):
             ctx_k, ctx_v = (None, None) if ctx is None else context_kv(i, *ctx)
-            o = _attention_blockwise(q, k, v, cu, lens, ctx_k, ctx_v, config)
-        else:
+            return _attention_blockwise(q, k, v, cu, lens, ctx_k, ctx_v, config).astype(act)
+
+        def cudnn(q, k, v, ctx):
             # The context's k and v are made after the chunk's own attention (ctx_kv), so that
             # they never live beside the chunk's k and v.
-            o = prefill_attention.cudnn_attention(
+            return prefill_attention.cudnn_attention(
                 q, k, v, cu, scale=config.attention_scale, ctx_lens=lens, api=impl,
                 ctx_kv=None if ctx is None else (functools.partial(context_kv, i), ctx),
-            )
-        o = o.astype(act)
+            ).astype(act)
+
+        if impl == "blockwise":
+            o = blockwise(q, k, v, ctx)
+        elif requested == "auto":
+            # "auto" chose cuDNN for the default device; a call lowered for another platform (the
+            # arrays on CPU devices of a GPU machine) takes the blockwise loop. jax keeps only the
+            # lowering platform's branch.
+            o = jax.lax.platform_dependent(q, k, v, ctx, cuda=cudnn, default=blockwise)
+        else:
+            o = cudnn(q, k, v, ctx)
         if not config.output_gate:
             return o
         # The gate's GEMM after the attention: its float32 logits never live beside q, k, v.

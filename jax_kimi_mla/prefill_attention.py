@@ -6,8 +6,9 @@ within each packed sequence, after that sequence's cached context. Two implement
 - ``"blockwise"``: an online-softmax loop over (query tile, key tile) pairs in jnp
   (``layer._blockwise_attention``), on every backend; memory O(T x block).
 - ``"cudnn"``: cuDNN's flash attention through jax, on a Hopper-or-later GPU with cuDNN >= 9.10
-  (what cuDNN needs for a v head dim that differs from q's). ``"auto"`` picks it where it runs and
-  the blockwise loop elsewhere (the CPU).
+  (what cuDNN needs for a v head dim that differs from q's). ``"auto"`` picks it where the default device runs it
+  (and the layer then keeps the blockwise loop for a step lowered for the CPU) and the blockwise
+  loop elsewhere.
 
 The cuDNN path calls jax's cuDNN module (``jax._src.cudnn.fused_attention_stablehlo``) directly:
 unlike ``jax.nn.dot_product_attention`` it takes v's 128 columns as they are and packed sequences

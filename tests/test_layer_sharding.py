@@ -50,9 +50,9 @@ def replicated(x, mesh):
 
 
 def inputs(fmt, seed=0):
-    # Blockwise prefill attention: "auto" follows the default device, which may be a GPU, and these
-    # arrays live on CPU devices.
-    config = ml.MLAConfig(**CONFIG, cache_format=fmt, output_gate=True, attention_impl="blockwise")
+    # attention_impl "auto": on a GPU machine it chose cuDNN for these CPU-device arrays until it
+    # followed the lowering platform (test_prefill_attention.py::test_auto_follows_the_lowering_platform).
+    config = ml.MLAConfig(**CONFIG, cache_format=fmt, output_gate=True)
     key = jax.random.split(jax.random.key(seed), 4)
     params = ml.init_params(key[0], config)
     x = jax.random.normal(key[1], (16, CONFIG["hidden_size"]), jnp.bfloat16)

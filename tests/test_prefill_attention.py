@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import functools
 from pathlib import Path
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ import pytest
 from _util import load_script
 from test_layer import TOLERANCE, Run, packed_first_chunks, packed_with_context, run_and_check
 
+import jax_kimi_mla
 from jax_kimi_mla import layer as ml
 from jax_kimi_mla import prefill_attention as pa
 
@@ -248,6 +250,41 @@ def test_merge_of_two_parts_is_attention_over_both():
     o2, lse2 = part(k[A:], v[A:])
     empty = pa._merge(jnp.full_like(o2, jnp.nan), jnp.full_like(lse2, -jnp.inf), o2, lse2)
     np.testing.assert_allclose(empty, o2, rtol=1e-6)
+
+
+def test_auto_follows_the_lowering_platform(cudnn_lowering):
+    """"auto" where the default device runs cuDNN: a call lowered for the CPU (the arrays on CPU
+    devices of a GPU machine) runs the blockwise loop, with the same bits as asking for it; one
+    lowered for CUDA calls cuDNN alone. "cudnn" asked for stays cuDNN on every platform."""
+    config = ml.MLAConfig(hidden_size=64, num_heads=2)
+    params = ml.init_params(jax.random.key(5), config)
+    cache = ml.allocate_cache(config, 4, 8)
+    x = jax.random.normal(jax.random.key(6), (12, 64), jnp.float32).astype(config.dtype)
+    positions, slots = jnp.arange(12, dtype=jnp.int32), jnp.arange(12, dtype=jnp.int32) + 3
+    cu = jnp.array([0, 5, 12], jnp.int32)
+
+    def step(impl):
+        return jax.jit(functools.partial(ml.prefill, config=config, cu_seqlens=cu, attention_impl=impl))
+
+    def cudnn_calls(impl, platform):
+        # Exported, so that the epilogue lowers for CUDA without this machine's CUDA module.
+        names = [f"jax_kimi_mla_{op}_v{jax_kimi_mla.ABI_VERSION}" for op in ("prefill_kv_cache", "gather_mla_cache")]
+        names += ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"]
+        checks = [jax.export.DisabledSafetyCheck.custom_call(name) for name in names]
+        exported = jax.export.export(step(impl), platforms=(platform,), disabled_checks=checks)(params, x, positions, slots, cache)
+        text = exported.mlir_module()
+        return text.count("__cudnn$fmha"), text.count("stablehlo.while")  # the blockwise loop is a while
+
+    with cudnn_lowering.as_if_on_an_h200(), mock.patch.object(pa, "device_problem", lambda: None):
+        assert pa.choose("auto", packed=True, context=False) == "cudnn"
+        assert cudnn_calls("auto", "cpu") == (0, *cudnn_calls("blockwise", "cpu")[1:])
+        assert cudnn_calls("auto", "cuda") == cudnn_calls("cudnn", "cuda")  # no loop added
+        # (The choice leaves a stablehlo.case on a constant index, which XLA folds, as it does those
+        # of the layer's per-platform GEMMs, layer._proj.)
+        assert cudnn_calls("cudnn", "cuda")[0] > 0
+        got, _ = step("auto")(params, x, positions, slots, cache)
+    want, _ = step("blockwise")(params, x, positions, slots, cache)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 def test_blockwise_when_asked_for():
