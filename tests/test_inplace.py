@@ -197,7 +197,9 @@ def test_op_among_other_work(backend, fmt, rope):
 @pytest.mark.parametrize("fmt", ["decode_bf16", "prefill_fp8_ds_mla", "decode_fp8"])
 def test_scan_over_layers(backend, fmt):
     """A [layers, N, bs, width] cache carried through lax.scan, each layer inserting into its
-    own slice, equals a Python loop over the layers."""
+    own slice, equals a Python loop over the layers. (Values only: this slice-and-set pattern
+    copies a layer each step; README pattern 4, the flat view with offset slots, is the copy-free
+    one, tested for copies in test_copy_traps.py.)"""
     layers = 3
     per_layer = [make_case(Case(fmt, 7, 2, rope=True, seed=20 + i)) for i in range(layers)]
     stacked = {k: np.stack([a[k] for a in per_layer]) for k in per_layer[0] if k not in ("kv_cache", "cos_sin_cache")}
