@@ -261,7 +261,7 @@ def test_auto_follows_the_lowering_platform(cudnn_lowering):
     cache = ml.allocate_cache(config, 4, 8)
     x = jax.random.normal(jax.random.key(6), (12, 64), jnp.float32).astype(config.dtype)
     positions, slots = jnp.arange(12, dtype=jnp.int32), jnp.arange(12, dtype=jnp.int32) + 3
-    cu = jnp.array([0, 5, 12], jnp.int32)
+    cu = np.array([0, 5, 12], np.int32)
 
     def step(impl):
         return jax.jit(functools.partial(ml.prefill, config=config, cu_seqlens=cu, attention_impl=impl))
@@ -282,8 +282,10 @@ def test_auto_follows_the_lowering_platform(cudnn_lowering):
         # (The choice leaves a stablehlo.case on a constant index, which XLA folds, as it does those
         # of the layer's per-platform GEMMs, layer._proj.)
         assert cudnn_calls("cudnn", "cuda")[0] > 0
-        got, _ = step("auto")(params, x, positions, slots, cache)
-    want, _ = step("blockwise")(params, x, positions, slots, cache)
+        # Run on CPU devices, as on a GPU machine; there the default device runs cuDNN for real.
+        on_cpu = jax.device_put((params, x, positions, slots, cache), jax.devices("cpu")[0])
+        got, _ = step("auto")(*on_cpu)
+    want, _ = step("blockwise")(*on_cpu)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
