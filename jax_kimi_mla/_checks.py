@@ -347,7 +347,16 @@ def static_bool(name: str, x) -> bool:
     return bool(x)
 
 
-def decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale, ds_mla, q_scale_inv, cache_scale_inv, num_splits) -> AttentionCall:
+def reader_cache(kv_cache, fmt: CacheFormat, act, why: str):
+    """A cache that a reader (the decode attention, the gather) takes: as :func:`cache`, with
+    blocks of at least one token (a reader addresses token t at t // block_size)."""
+    cache(kv_cache, fmt, act, why)
+    if kv_cache.shape[1] < 1:
+        raise ValueError(f"kv_cache must be [num_blocks, block_size, {fmt.width}] with block_size >= 1, got shape {tuple(kv_cache.shape)}")
+
+
+def decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale, ds_mla, q_scale_inv, cache_scale_inv, num_splits,
+                     return_lse=False) -> AttentionCall:
     """Checks an mla_decode_attention call and picks its cache format."""
     q = as_array("mqa_q", mqa_q)
     expect_dtype("mqa_q", q, (*ACT_DTYPES, FP8))
@@ -360,6 +369,7 @@ def decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale,
     if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"softmax_scale must be a Python float (a static attribute of the call), got {type(softmax_scale).__name__}")
     ds_mla = static_bool("ds_mla", ds_mla)
+    static_bool("return_lse", return_lse)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or not 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits must be None (chosen from the sizes) or an int in [1, {MAX_SPLITS}], got {num_splits!r}")
     kv_cache = as_array("kv_cache", kv_cache)
@@ -378,7 +388,7 @@ def decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale,
             raise ValueError("an fp8 mqa_q (with q_scale_inv) reads only the plain fp8 cache, which needs cache_scale_inv")
         _cache_dtype_hints(kv_cache)
         fmt, why = "bf16", " of mqa_q"
-    cache(kv_cache, CACHE_FORMATS[fmt], q.dtype, why)
+    reader_cache(kv_cache, CACHE_FORMATS[fmt], q.dtype, why)
     if q_fp8 != (q_scale_inv is not None):
         raise ValueError("q_scale_inv goes with an fp8 (float8_e4m3fn) mqa_q: " + ("it is missing" if q_fp8 else f"mqa_q is {q.dtype}"))
     tables, lens = paged_tables(block_tables, context_lens, B)
@@ -450,9 +460,9 @@ def gather_cache(kv_cache, block_tables, context_lens, num_tokens, ds_mla, cache
         _cache_dtype_hints(kv_cache)
         expect_dtype("kv_cache", kv_cache, ACT_DTYPES)
         fmt, act, why = "bf16", kv_cache.dtype, ""
-    cache(kv_cache, CACHE_FORMATS[fmt], act, why)
+    reader_cache(kv_cache, CACHE_FORMATS[fmt], act, why)
     tables, lens = paged_tables(block_tables, context_lens)
-    out = jnp.dtype(out_dtype)
+    out = None if out_dtype is None else jnp.dtype(out_dtype)  # jnp.dtype(None) is float64
     if out not in GATHER_DTYPES:
         raise TypeError(f"out_dtype must be {_names(GATHER_DTYPES)}, got {out}")
     capacity = int(tables.shape[0] * tables.shape[1] * kv_cache.shape[1])
@@ -469,3 +479,60 @@ def gather_cache(kv_cache, block_tables, context_lens, num_tokens, ds_mla, cache
         num_tokens=int(num_tokens),
         out_dtype=out,
     )
+
+
+# ---- the layer's step arguments (jax_kimi_mla.layer) -----------------------------------------
+
+
+def _layer_index(name: str, x, shape: tuple, what: str):
+    """An int32/int64 index argument of the layer of exactly ``shape`` (spelled ``what``)."""
+    x = as_array(name, x)
+    expect_dtype(name, x, INDEX_DTYPES)
+    expect_shape(name, x, shape, what)
+    return x
+
+
+def layer_prefill(x, positions, slot_mapping, cu_seqlens, block_table, context_len):
+    """Checks layer.prefill's token and sequence arguments: x [T, hidden], positions (or None)
+    and slot_mapping [T], cu_seqlens [S + 1] (or None: one sequence), and block_table /
+    context_len both or neither ([max_blocks] and a scalar for one sequence, [S, max_blocks] and
+    [S] packed). Values (cu_seqlens ascending, within T) are the caller's: they are traced."""
+    x = as_array("x", x)
+    if x.ndim != 2:
+        raise ValueError(f"x must be [T, hidden], got shape {tuple(x.shape)}")
+    T = int(x.shape[0])
+    if positions is not None:
+        _layer_index("positions", positions, (T,), f"[T] = [{T}] (x has {T} tokens)")
+    _layer_index("slot_mapping", slot_mapping, (T,), f"[T] = [{T}] (x has {T} tokens)")
+    if (block_table is None) != (context_len is None):
+        given, missing = ("block_table", "context_len") if context_len is None else ("context_len", "block_table")
+        raise ValueError(f"a chunk after cached tokens needs both block_table and context_len: {given} was given without "
+                         f"{missing}")
+    if cu_seqlens is None:
+        if block_table is not None:
+            _layer_index("block_table", block_table, (None,), "[max_blocks] for one sequence (cu_seqlens not given)")
+            shape = () if jnp.ndim(context_len) == 0 else (1,)
+            _layer_index("context_len", context_len, shape, "a scalar (or [1]) for one sequence (cu_seqlens not given)")
+        return
+    cu = as_array("cu_seqlens", cu_seqlens)
+    expect_dtype("cu_seqlens", cu, INDEX_DTYPES)
+    if cu.ndim != 1 or cu.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must be [S + 1] with S >= 1 (sequence s owns tokens cu_seqlens[s]:cu_seqlens[s + 1]), "
+                         f"got shape {tuple(cu.shape)}")
+    if block_table is not None:
+        S = int(cu.shape[0]) - 1
+        _layer_index("block_table", block_table, (S, None), f"[S, max_blocks] with S = {S} (cu_seqlens has S + 1 = {S + 1} entries)")
+        _layer_index("context_len", context_len, (S,), f"[S] = [{S}] (cu_seqlens has S + 1 = {S + 1} entries)")
+
+
+def layer_decode(x, positions, slot_mapping):
+    """Checks layer.decode's token arguments: x [B, hidden] or [B, S_q, hidden]; positions (or
+    None) and slot_mapping [B] / [B, S_q]. (block_tables and context_lens are mla_decode_attention's.)"""
+    x = as_array("x", x)
+    if x.ndim not in (2, 3):
+        raise ValueError(f"x must be [B, hidden] or [B, S_q, hidden], got shape {tuple(x.shape)}")
+    tokens = tuple(int(d) for d in x.shape[:-1])
+    what = f"{'[B]' if len(tokens) == 1 else '[B, S_q]'} = {list(tokens)} (x is {tuple(x.shape)})"
+    if positions is not None:
+        _layer_index("positions", positions, tokens, what)
+    _layer_index("slot_mapping", slot_mapping, tokens, what)

@@ -465,6 +465,7 @@ def prefill(
       the cached context and the chunk's tokens up to itself, with softmax scale
       ``config.attention_scale``.
     """
+    _checks.layer_prefill(x, positions, slot_mapping, cu_seqlens, block_table, context_len)
     fmt, act = config.cache_format, config.dtype
     cache, base, rows = _layer_rows(kv_cache, layer)
     slots = _cache_slots(slot_mapping, base, rows)
@@ -655,6 +656,7 @@ def decode(params, x, positions, slot_mapping, block_tables, context_lens, kv_ca
     Returns:
       (out [B, (S_q,) hidden] activation dtype, kv_cache).
     """
+    _checks.layer_decode(x, positions, slot_mapping)
     fmt = config.cache_format
     cache, base, rows = _layer_rows(kv_cache, layer)
     one_token = x.ndim == 2

@@ -335,7 +335,7 @@ def mla_decode_attention(
       out = jax.jit(functools.partial(mla_decode_attention, softmax_scale=192 ** -0.5))(
           mqa_q, kv_cache, block_tables, context_lens)
     """
-    c = _checks.decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale, ds_mla, q_scale_inv, cache_scale_inv, num_splits)
+    c = _checks.decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale, ds_mla, q_scale_inv, cache_scale_inv, num_splits, return_lse)
     if _gpu_before_hopper():  # the documented fallback: the jnp reference, same contract
         return reference.mla_decode_attention(
             mqa_q, kv_cache, block_tables, context_lens, softmax_scale=softmax_scale, ds_mla=ds_mla,

@@ -144,7 +144,10 @@ def fused_mla_decode_q_concat_kv_cache_insert(
 
 def _dequantized_entries(c, rows):
     """The cache entries at flat ``rows`` [...] as float32 [..., 576] (a padded row's first columns)."""
-    entries = jnp.asarray(c.kv_cache).reshape(-1, c.kv_cache.shape[-1])[rows][..., : CACHE_FORMATS[c.cache_format].width]
+    flat = jnp.asarray(c.kv_cache).reshape(-1, c.kv_cache.shape[-1])
+    if flat.shape[0] == 0:  # no blocks: every token is masked out; a zero row keeps the gather legal
+        flat = jnp.zeros((1, flat.shape[1]), flat.dtype)
+    entries = flat[rows][..., : CACHE_FORMATS[c.cache_format].width]
     if c.cache_format == "fp8_ds_mla":
         latent, k_pe = ds_mla_dequantize(entries)
         return jnp.concatenate([latent, k_pe.astype(jnp.float32)], -1)
@@ -162,7 +165,7 @@ def mla_decode_attention(
     [0, num_blocks)) is zeroed before that query's einsums, so garbage and NaN there never reach
     its result.
     """
-    c = _checks.decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale, ds_mla, q_scale_inv, cache_scale_inv, num_splits)
+    c = _checks.decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale, ds_mla, q_scale_inv, cache_scale_inv, num_splits, return_lse)
     B, S = c.q.shape[:2]
     num_blocks, block_size = c.kv_cache.shape[:2]
     q = c.q.astype(jnp.float32)
@@ -178,7 +181,7 @@ def mla_decode_attention(
     visible = lens[:, None] - S + 1 + jnp.arange(S)  # [B, S_q]: query j sees tokens < visible
     mask = in_cache[:, None, None, :] & (t < visible[:, :, None, None])  # [B, S_q, 1, tokens]
     scores = jnp.where(mask, jnp.einsum("bshc,btc->bsht", q, entries) * jnp.float32(c.softmax_scale), -jnp.inf)
-    m = jnp.max(scores, -1, keepdims=True)
+    m = jnp.max(scores, -1, keepdims=True, initial=-jnp.inf)  # initial: a table with no columns
     p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))
     total = jnp.sum(p, -1, keepdims=True)
     lse = (jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(total))[..., 0]

@@ -213,6 +213,19 @@ def test_empty_batch_or_heads(backend, shape):
     assert out.shape == (*shape[:-1], L) and lse.shape == shape[:-1]
 
 
+@pytest.mark.parametrize("cache_blocks, table_width", ((0, 2), (4, 0)))
+def test_no_blocks_or_no_table_columns(backend, cache_blocks, table_width):
+    """A cache of no blocks, or tables of no columns: nothing to read, so zeros and an lse of
+    -inf, from the op and the reference alike (the reference also stands in on pre-Hopper GPUs)."""
+    q = np.random.default_rng(3).normal(size=(2, 3, ENTRY)).astype(ml_dtypes.bfloat16)
+    args = dict(mqa_q=q, kv_cache=np.zeros((cache_blocks, 16, ENTRY), ml_dtypes.bfloat16),
+                block_tables=np.ones((2, table_width), np.int32), context_lens=np.array([3, 40], np.int32))
+    for impl in (jax_kimi_mla, reference):
+        out, lse = run(impl.mla_decode_attention, args, {"softmax_scale": SCALE}, backend if impl is jax_kimi_mla else "cpu")
+        assert out.shape == (2, 3, L) and not out.astype(np.float32).any(), impl.__name__
+        assert (lse == -np.inf).all(), impl.__name__
+
+
 def test_three_and_four_dim_queries_agree():
     args, kw = make_case("bf16", "bfloat16", lens=(30, 7), q_tokens=1)
     out4, lse4 = run(jax_kimi_mla.mla_decode_attention, args, kw, "cpu")

@@ -24,7 +24,7 @@ from _util import FORMATS, invoke
 from jax.experimental import checkify
 
 import jax_kimi_mla
-from jax_kimi_mla import _checks, debug, numerics, reference
+from jax_kimi_mla import _checks, debug, layer, numerics, reference
 from jax_kimi_mla.formats import EPILOGUES
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "ERRORS.md"
@@ -105,6 +105,23 @@ def attention_base() -> dict:
     )
 
 
+@functools.cache
+def _layer_weights():
+    config = layer.MLAConfig(hidden_size=64, num_heads=2)
+    return config, layer.init_params(jax.random.key(0), config)
+
+
+def layer_base(name: str) -> dict:
+    """The valid layer.prefill / layer.decode call that the layer_prefill(...) / layer_decode(...)
+    rows change: 2 tokens (2 sequences in decode), hidden 64, 2 heads, a bf16 cache [4, 2, 576]."""
+    config, params = _layer_weights()
+    a = dict(params=params, x=np.zeros((2, 64), DTYPES["bfloat16"]), positions=np.zeros(2, np.int32),
+             slot_mapping=np.zeros(2, np.int32), kv_cache=layer.allocate_cache(config, 4, 2), config=config)
+    if name == "layer_decode":
+        a.update(block_tables=np.zeros((2, 2), np.int32), context_lens=np.zeros(2, np.int32))
+    return a
+
+
 def staged_check_inputs(**kwargs):
     """check_inputs under jax.jit(checkify.checkify(...)): arrays traced, the rest static."""
     arrays = {k: v for k, v in kwargs.items() if isinstance(v, np.ndarray)}
@@ -145,6 +162,10 @@ def callables(call: str) -> list:
     if name in FORMATS:
         a = dict(base(name), **kwargs)
         return [(impl.__name__, functools.partial(invoke, impl, name, a)) for impl in (jax_kimi_mla, reference)]
+    if name in ("layer_prefill", "layer_decode"):
+        step = layer.prefill if name == "layer_prefill" else layer.decode
+        a = dict(layer_base(name), **kwargs)
+        return [(name, lambda: step(**a))]
     fn = debug.check_inputs if name == "check_inputs" else getattr(jax_kimi_mla, name)
     return [(name, lambda: fn(**kwargs))]
 

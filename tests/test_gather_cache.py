@@ -151,6 +151,15 @@ def test_empty_batch_and_zero_rows(backend):
     assert out.shape == (0, ENTRY)
 
 
+def test_no_blocks_in_the_cache(backend):
+    """A cache of no blocks: every table entry is outside it, so zero rows, op and reference alike."""
+    args = dict(kv_cache=np.zeros((0, 8, ENTRY), ml_dtypes.bfloat16), block_tables=np.ones((2, 2), np.int32),
+                context_lens=np.array([3, 9], np.int32))
+    for impl in (jax_kimi_mla, reference):
+        out = run(impl.gather_mla_cache, args, {}, backend if impl is jax_kimi_mla else "cpu", 12, dtype("bfloat16"))
+        assert out.shape == (12, ENTRY) and not out.astype(np.float32).any(), impl.__name__
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt,cache16", FORMATS)
 def test_cuda_large(fmt, cache16):
