@@ -128,16 +128,21 @@ template <Op op, bool kRopeOn, RopeStyle kStyle>
 using OpBlockPlan = BlockPlan<Parts<op, kRopeOn, kStyle>::kCount>;
 
 // NeoX RoPE: pe lane j takes pe chunk j + 4 too (a row's pe chunks are contiguous in its source
-// and in its output: `byte_dst` says whether the output holds 1-byte elements).
+// and in its output: `byte_dst` says whether the output holds 1-byte elements). The source's
+// partner and the output's may be located at different times (the cache's output is looked up last).
 template <bool kRopeOn, RopeStyle kStyle>
-__device__ __forceinline__ void locate_partner(Lane& l, bool byte_dst) {
+__device__ __forceinline__ void locate_partner_src(Lane& l) {
   if constexpr (kRopeOn && kStyle == RopeStyle::kNeox) {
-    if (l.pe < 0) return;
+    if (l.pe >= 0) l.partner = l.src + kNeoxPartnerChunk * kChunk;
+  }
+}
+template <bool kRopeOn, RopeStyle kStyle>
+__device__ __forceinline__ void locate_partner_dst(Lane& l, bool byte_dst) {
+  if constexpr (kRopeOn && kStyle == RopeStyle::kNeox) {
+    if (l.pe < 0 || l.dst == nullptr) return;
     constexpr int kAhead = kNeoxPartnerChunk * kChunk;  // elements
-    l.partner = l.src + kAhead;
-    if (l.dst != nullptr)
-      l.partner_dst = byte_dst ? static_cast<void*>(static_cast<uint8_t*>(l.dst) + kAhead)
-                               : static_cast<void*>(static_cast<uint16_t*>(l.dst) + kAhead);
+    l.partner_dst = byte_dst ? static_cast<void*>(static_cast<uint8_t*>(l.dst) + kAhead)
+                             : static_cast<void*>(static_cast<uint16_t*>(l.dst) + kAhead);
   }
 }
 
@@ -149,7 +154,7 @@ __device__ __forceinline__ Lane locate_in_cache(const Epilogue& e, int64_t t, in
   l.chunk = lane;
   l.src = chunk_src(e.cache, t, 0, lane);
   l.pe = lane - kLatent / kChunk;
-  locate_partner<kRopeOn, kStyle>(l, false);  // the second pe chunk's source
+  locate_partner_src<kRopeOn, kStyle>(l);  // the second pe chunk's source
   return l;
 }
 
@@ -161,7 +166,7 @@ __device__ __forceinline__ void place_in_cache(const Epilogue& e, int64_t slot_r
   l.dst = kCache == CacheFormat::kFp8DsMla ? static_cast<void*>(ds_mla_entry(e, slot_row))
                                            : chunk_dst(e.cache, slot_row, 0, l.chunk);
   // A ds_mla lane's dst is its entry: the second pe chunk's place follows from it.
-  locate_partner<kRopeOn, kStyle>(l, kCache == CacheFormat::kFp8);
+  locate_partner_dst<kRopeOn, kStyle>(l, kCache == CacheFormat::kFp8);
 }
 
 // Lane `lane` of head-row part p of token t: head lane / per_head, and its chunk.
@@ -183,7 +188,8 @@ __device__ __forceinline__ Lane locate_in_head_row(const Epilogue& e, int64_t t,
   const int64_t out = chunk_elem(t, spec.out_t, h, spec.out_h, l.chunk);
   l.dst = shape.fp8 ? static_cast<void*>(static_cast<uint8_t*>(spec.out) + out)
                     : static_cast<void*>(static_cast<uint16_t*>(spec.out) + out);
-  locate_partner<kRopeOn, kStyle>(l, shape.fp8);
+  locate_partner_src<kRopeOn, kStyle>(l);
+  locate_partner_dst<kRopeOn, kStyle>(l, shape.fp8);
   return l;
 }
 
