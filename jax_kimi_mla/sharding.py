@@ -107,6 +107,12 @@ def shard(op, mesh, *, head_axis=None, token_axis=None):
       inputs are sharded like the tensor they wrap.
     """
     signature = inspect.signature(op)
+    if not (_PER_HEAD & set(signature.parameters) and {_CACHE, "slot_mapping"} <= set(signature.parameters)):
+        raise TypeError(
+            f"sharding.shard takes the four epilogue ops (or their references), got {getattr(getattr(op, 'func', op), '__name__', op)!r}. "
+            "The readers (mla_decode_attention, gather_mla_cache) run head- or batch-parallel under a plain jax.jit; "
+            "for an exportable multi-device step call them in a jax.shard_map of your own (docs/SHARDING.md, jax.export)"
+        )
     specs = input_specs(op, head_axis=head_axis, token_axis=token_axis)
     for axis in (head_axis, token_axis):
         _axis_size(mesh, axis)  # an unknown axis name fails here, before any call

@@ -11,6 +11,7 @@ Run on GPUs: ``python -P -m pytest tests/test_partitioning.py -k gpu`` (skips wi
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from _util import FORMATS, bits
@@ -214,6 +215,34 @@ def test_multi_device_plain_jit_is_not_exportable_but_its_shard_map_twin_is(devs
     assert _ffi.target_name("decode_fp8") in exported.mlir_module()
     restored = jax.export.deserialize(exported.serialize())
     assert_bits_equal(jax.jit(restored.call)(**placed), single_device(devs, op, kw, static))
+
+
+def test_reader_in_a_shard_map_of_ones_own_exports(devs):  # noqa: F811
+    """docs/SHARDING.md, "jax.export": mla_decode_attention in the caller's own shard_map (heads
+    split, cache and tables replicated) exports, round-trips and matches one device; the
+    sharding helpers refuse a reader by name."""
+    mesh = devs.mesh()
+    rng = np.random.default_rng(17)
+    B, H, N, bs = 2, 2 * devs.D, 6, 16
+    args = (
+        rng.normal(size=(B, H, 576)).astype(jnp.bfloat16),
+        rng.normal(size=(N, bs, 576)).astype(jnp.bfloat16),
+        rng.permutation(N)[: 3 * B].reshape(B, 3).astype(np.int32),
+        np.array([17, 40], np.int32),
+    )
+
+    def attend(q, cache, tables, lens):
+        return jkm.mla_decode_attention(q, cache, tables, lens, softmax_scale=0.1, return_lse=True)
+
+    heads, whole = PartitionSpec(None, "x"), PartitionSpec()
+    step = sharding._shard_map(attend, mesh, (heads, whole, whole, whole), (heads, heads))
+    placed = [jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in zip(args, (heads, whole, whole, whole))]
+    exported = jax.export.export(jax.jit(step), platforms=(devs.devices[0].platform,), disabled_checks=_disabled_checks())(*placed)
+    assert exported.nr_devices == devs.D and "CustomSPMDPartitioning" not in exported.mlir_module()
+    restored = jax.export.deserialize(exported.serialize())
+    assert_bits_equal(jax.jit(restored.call)(*placed), jax.jit(attend)(*jax.device_put(args, devs.devices[0])))
+    with pytest.raises(TypeError, match="sharding.shard takes the four epilogue ops .* got 'mla_decode_attention'"):
+        sharding.tensor_parallel(functools.partial(jkm.mla_decode_attention, softmax_scale=0.1), mesh, "x")
 
 
 def test_single_device_export_has_only_the_ffi_call():
