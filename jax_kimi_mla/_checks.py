@@ -496,7 +496,7 @@ def layer_prefill(x, positions, slot_mapping, cu_seqlens, block_table, context_l
     """Checks layer.prefill's token and sequence arguments: x [T, hidden], positions (or None)
     and slot_mapping [T], cu_seqlens [S + 1] (or None: one sequence), and block_table /
     context_len both or neither ([max_blocks] and a scalar for one sequence, [S, max_blocks] and
-    [S] packed). Values (cu_seqlens ascending, within T) are the caller's: they are traced."""
+    [S] packed). cu_seqlens's values are traced: the layer clips them (layer.prefill)."""
     x = as_array("x", x)
     if x.ndim != 2:
         raise ValueError(f"x must be [T, hidden], got shape {tuple(x.shape)}")

@@ -450,7 +450,8 @@ def prefill(
       cu_seqlens: packed sequences: int32 [S + 1], sequence s owns tokens
         [cu_seqlens[s], cu_seqlens[s + 1]) of x (S static; trailing empty sequences are fine, so
         S and T can be bucketed). Then block_table is [S, max_blocks] and context_len [S] (or
-        both None: no context).
+        both None: no context). Values outside [0, T] are clipped and a decrease is read as an
+        empty sequence (a running max), so no value reaches outside x.
       layer: index (may be traced) of this layer in a stacked cache.
       cos_sin_cache: float32 [max_position, 64] turns RoPE on (``config.rope_style``: GPT-J by
         default, or NeoX); None = NoPE (Kimi-K3).
@@ -475,7 +476,9 @@ def prefill(
         cu_seqlens = jnp.array([0, T], jnp.int32)
         block_table = None if block_table is None else block_table[None]
         context_len = None if context_len is None else jnp.reshape(context_len, (1,))
-    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    # Garbage offsets must not reach outside x (cuDNN takes them as addresses): kept within [0, T]
+    # and non-decreasing, they describe some valid packing.
+    cu = jax.lax.cummax(jnp.clip(jnp.asarray(cu_seqlens, jnp.int32), 0, T))
     lens = jnp.zeros(cu.shape[0] - 1, jnp.int32) if block_table is None else jnp.asarray(context_len, jnp.int32)
     packed = cu.shape[0] > 2
     requested = attention_impl or config.attention_impl

@@ -289,6 +289,20 @@ def test_auto_follows_the_lowering_platform(cudnn_lowering):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+def test_garbage_cu_seqlens_stays_inside_x():
+    """cu_seqlens past T or decreasing (traced values: no trace-time check) is clipped to [0, T]
+    and made non-decreasing, so it never addresses outside x: the same results as that packing."""
+    config = ml.MLAConfig(hidden_size=64, num_heads=2)
+    params = ml.init_params(jax.random.key(7), config)
+    x = jax.random.normal(jax.random.key(8), (12, 64), jnp.float32).astype(config.dtype)
+    positions, slots = jnp.arange(12, dtype=jnp.int32), jnp.arange(12, dtype=jnp.int32)
+    step = jax.jit(functools.partial(ml.prefill, config=config))
+    got = step(params, x, positions, slots, ml.allocate_cache(config, 4, 8), cu_seqlens=jnp.array([0, 7, 3, 40], jnp.int32))
+    want = step(params, x, positions, slots, ml.allocate_cache(config, 4, 8), cu_seqlens=jnp.array([0, 7, 7, 12], jnp.int32))
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
 def test_blockwise_when_asked_for():
     """"blockwise" runs on any backend (on a GPU "auto" would pick cuDNN, so this keeps the loop
     covered there), several tiles, chunks after a context."""
