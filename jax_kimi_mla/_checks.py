@@ -492,6 +492,52 @@ def _layer_index(name: str, x, shape: tuple, what: str):
     return x
 
 
+def layer_params(params, expected: dict, config_says: str) -> None:
+    """Checks one layer's params against the shapes its config implies (``expected``: {name: shape,
+    or a dict of them}); ``config_says``: the config fields that set them, for the message."""
+    if not isinstance(params, dict):
+        raise TypeError(f"params must be the dict of one layer's weights from init_params, got {type(params).__name__}")
+    for name, want in expected.items():
+        if name not in params:
+            raise ValueError(f"params has no {name!r}, which the config ({config_says}) needs: make params with "
+                             "init_params(key, config) for this config")
+        if isinstance(want, dict):
+            layer_params(params[name], want, config_says)
+            continue
+        got = tuple(jnp.shape(params[name]))
+        if got != want:
+            raise ValueError(f"params[{name!r}] has shape {got}, but the config ({config_says}) needs {want}: make params "
+                             "with init_params(key, config) for this config (inside scan_layers: one layer's slice)")
+    for name in ("q_proj", "q_a_proj", "g_proj"):
+        if name in params and name not in expected:
+            raise ValueError(f"params has {name!r}, which the config ({config_says}) does not use: params and config "
+                             "must match")
+
+
+def layer_index(layer, kv_cache):
+    """Checks the layer index against the cache: None with a [N, bs, W] cache, or an int (Python
+    int in [0, layers), or an int32/int64 scalar array, which may be traced) with a stacked
+    [layers, N, bs, W] one. A traced index outside [0, layers) writes and reads nothing."""
+    ndim = len(jnp.shape(kv_cache))
+    if layer is None:
+        if ndim == 4:
+            raise ValueError(f"kv_cache is a stack of layers {tuple(jnp.shape(kv_cache))}: pass layer= (this layer's index)")
+        return
+    if ndim != 4:
+        raise ValueError(f"layer={layer!r} needs a stacked kv_cache [layers, num_blocks, block_size, W], got shape "
+                         f"{tuple(jnp.shape(kv_cache))}")
+    layers = int(jnp.shape(kv_cache)[0])
+    if isinstance(layer, (bool, np.bool_)):
+        raise TypeError(f"layer must be an int, got {layer!r}")
+    if isinstance(layer, (int, np.integer)):
+        if not 0 <= layer < layers:
+            raise ValueError(f"layer must be in [0, {layers}) (kv_cache holds {layers} layers), got {layer}")
+        return
+    x = as_array("layer", layer)
+    expect_dtype("layer", x, INDEX_DTYPES)
+    expect_shape("layer", x, (), "a scalar")
+
+
 def layer_prefill(x, positions, slot_mapping, cu_seqlens, block_table, context_len):
     """Checks layer.prefill's token and sequence arguments: x [T, hidden], positions (or None)
     and slot_mapping [T], cu_seqlens [S + 1] (or None: one sequence), and block_table /
@@ -502,18 +548,18 @@ def layer_prefill(x, positions, slot_mapping, cu_seqlens, block_table, context_l
         raise ValueError(f"x must be [T, hidden], got shape {tuple(x.shape)}")
     T = int(x.shape[0])
     if positions is not None:
-        _layer_index("positions", positions, (T,), f"[T] = [{T}] (x has {T} tokens)")
-    _layer_index("slot_mapping", slot_mapping, (T,), f"[T] = [{T}] (x has {T} tokens)")
+        positions = _layer_index("positions", positions, (T,), f"[T] = [{T}] (x has {T} tokens)")
+    slot_mapping = _layer_index("slot_mapping", slot_mapping, (T,), f"[T] = [{T}] (x has {T} tokens)")
     if (block_table is None) != (context_len is None):
         given, missing = ("block_table", "context_len") if context_len is None else ("context_len", "block_table")
         raise ValueError(f"a chunk after cached tokens needs both block_table and context_len: {given} was given without "
                          f"{missing}")
     if cu_seqlens is None:
         if block_table is not None:
-            _layer_index("block_table", block_table, (None,), "[max_blocks] for one sequence (cu_seqlens not given)")
+            block_table = _layer_index("block_table", block_table, (None,), "[max_blocks] for one sequence (cu_seqlens not given)")
             shape = () if jnp.ndim(context_len) == 0 else (1,)
-            _layer_index("context_len", context_len, shape, "a scalar (or [1]) for one sequence (cu_seqlens not given)")
-        return
+            context_len = _layer_index("context_len", context_len, shape, "a scalar (or [1]) for one sequence (cu_seqlens not given)")
+        return positions, slot_mapping, None, block_table, context_len
     cu = as_array("cu_seqlens", cu_seqlens)
     expect_dtype("cu_seqlens", cu, INDEX_DTYPES)
     if cu.ndim != 1 or cu.shape[0] < 2:
@@ -521,18 +567,21 @@ def layer_prefill(x, positions, slot_mapping, cu_seqlens, block_table, context_l
                          f"got shape {tuple(cu.shape)}")
     if block_table is not None:
         S = int(cu.shape[0]) - 1
-        _layer_index("block_table", block_table, (S, None), f"[S, max_blocks] with S = {S} (cu_seqlens has S + 1 = {S + 1} entries)")
-        _layer_index("context_len", context_len, (S,), f"[S] = [{S}] (cu_seqlens has S + 1 = {S + 1} entries)")
+        block_table = _layer_index("block_table", block_table, (S, None), f"[S, max_blocks] with S = {S} (cu_seqlens has S + 1 = {S + 1} entries)")
+        context_len = _layer_index("context_len", context_len, (S,), f"[S] = [{S}] (cu_seqlens has S + 1 = {S + 1} entries)")
+    return positions, slot_mapping, cu, block_table, context_len
 
 
-def layer_decode(x, positions, slot_mapping):
+def layer_decode(x, positions, slot_mapping, block_tables, context_lens):
     """Checks layer.decode's token arguments: x [B, hidden] or [B, S_q, hidden]; positions (or
-    None) and slot_mapping [B] / [B, S_q]. (block_tables and context_lens are mla_decode_attention's.)"""
+    None) and slot_mapping [B] / [B, S_q]; block_tables and context_lens made arrays (their shapes
+    are mla_decode_attention's to check)."""
     x = as_array("x", x)
     if x.ndim not in (2, 3):
         raise ValueError(f"x must be [B, hidden] or [B, S_q, hidden], got shape {tuple(x.shape)}")
     tokens = tuple(int(d) for d in x.shape[:-1])
     what = f"{'[B]' if len(tokens) == 1 else '[B, S_q]'} = {list(tokens)} (x is {tuple(x.shape)})"
     if positions is not None:
-        _layer_index("positions", positions, tokens, what)
-    _layer_index("slot_mapping", slot_mapping, tokens, what)
+        positions = _layer_index("positions", positions, tokens, what)
+    slot_mapping = _layer_index("slot_mapping", slot_mapping, tokens, what)
+    return positions, slot_mapping, as_array("block_tables", block_tables), as_array("context_lens", context_lens)

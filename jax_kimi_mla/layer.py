@@ -178,6 +178,19 @@ def _weight_shapes(config: MLAConfig) -> dict:
     return shapes
 
 
+def _check_params(params, config: MLAConfig) -> None:
+    """One layer's params against the shapes ``config`` implies (init_params' layout)."""
+    shapes = {name: shape for name, (shape, _) in _weight_shapes(config).items()}
+    shapes["kv_a_norm"] = (L,)
+    if config.q_lora_rank is not None:
+        shapes["q_a_norm"] = (config.q_lora_rank,)
+    if config.cache_format == "fp8":
+        shapes["fp8_scale_inv"] = {n: () for n in ("q", "k", "v", "cache")}
+    says = (f"hidden_size={config.hidden_size}, num_heads={config.num_heads}, q_lora_rank={config.q_lora_rank}, "
+            f"output_gate={config.output_gate}, cache_format={config.cache_format!r}")
+    _checks.layer_params(params, shapes, says)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "num_layers"))
 def init_params(key, config: MLAConfig, num_layers: int | None = None):
     """Random weights, scaled by 1/sqrt(fan_in) so every activation stays O(1).
@@ -466,7 +479,10 @@ def prefill(
       the cached context and the chunk's tokens up to itself, with softmax scale
       ``config.attention_scale``.
     """
-    _checks.layer_prefill(x, positions, slot_mapping, cu_seqlens, block_table, context_len)
+    _check_params(params, config)
+    _checks.layer_index(layer, kv_cache)
+    positions, slot_mapping, cu_seqlens, block_table, context_len = _checks.layer_prefill(
+        x, positions, slot_mapping, cu_seqlens, block_table, context_len)
     fmt, act = config.cache_format, config.dtype
     cache, base, rows = _layer_rows(kv_cache, layer)
     slots = _cache_slots(slot_mapping, base, rows)
@@ -653,13 +669,18 @@ def decode(params, x, positions, slot_mapping, block_tables, context_lens, kv_ca
       slot_mapping: [B] / [B, S_q] int32 slot of each new token; -1 for padding.
       block_tables: [B, max_blocks] int32. context_lens: [B] int32, the tokens of each sequence,
         counting the ones written in this step (0 for padding rows: their output is 0). New
-        token j of S_q attends to tokens 0 .. context_len - S_q + j.
+        token j of S_q attends to tokens 0 .. context_len - S_q + j, so a row with fewer than
+        S_q new tokens pads at the front (slot -1 for the first ones), or counts its padding
+        tokens at the end in context_len; counting only the real ones with the padding at the
+        end shifts every query's window.
       kv_cache, layer, cos_sin_cache: as in :func:`prefill`.
 
     Returns:
       (out [B, (S_q,) hidden] activation dtype, kv_cache).
     """
-    _checks.layer_decode(x, positions, slot_mapping)
+    _check_params(params, config)
+    _checks.layer_index(layer, kv_cache)
+    positions, slot_mapping, block_tables, context_lens = _checks.layer_decode(x, positions, slot_mapping, block_tables, context_lens)
     fmt = config.cache_format
     cache, base, rows = _layer_rows(kv_cache, layer)
     one_token = x.ndim == 2

@@ -59,8 +59,8 @@ def rows() -> list:
 def value(node):
     """An argument of a row's call: a literal, dtype[shape] (zeros), a list (int32), dtype(list),
     or columns(array, start)."""
-    if isinstance(node, ast.Constant):
-        return node.value
+    if isinstance(node, (ast.Constant, ast.UnaryOp)):  # a literal, -1 included
+        return ast.literal_eval(node)
     if isinstance(node, ast.Subscript) and node.value.id in DTYPES:
         shape = ast.literal_eval(node.slice)
         shape = shape if isinstance(shape, tuple) else (shape,)
@@ -105,16 +105,22 @@ def attention_base() -> dict:
     )
 
 
+LAYER_CONFIG = dict(hidden_size=64, num_heads=2)
+# Keywords of layer rows read as literals: MLAConfig fields that change the call's config (the
+# params stay the base config's), and params_config={...}, fields that change the params' config.
+LAYER_LITERALS = {"num_heads", "hidden_size", "q_lora_rank", "output_gate", "cache_format", "params_config"}
+
+
 @functools.cache
-def _layer_weights():
-    config = layer.MLAConfig(hidden_size=64, num_heads=2)
+def _layer_weights(params_changes: tuple = ()):
+    config = layer.MLAConfig(**{**LAYER_CONFIG, **dict(params_changes)})
     return config, layer.init_params(jax.random.key(0), config)
 
 
-def layer_base(name: str) -> dict:
+def layer_base(name: str, params_changes: tuple = ()) -> dict:
     """The valid layer.prefill / layer.decode call that the layer_prefill(...) / layer_decode(...)
     rows change: 2 tokens (2 sequences in decode), hidden 64, 2 heads, a bf16 cache [4, 2, 576]."""
-    config, params = _layer_weights()
+    config, params = _layer_weights(params_changes)
     a = dict(params=params, x=np.zeros((2, 64), DTYPES["bfloat16"]), positions=np.zeros(2, np.int32),
              slot_mapping=np.zeros(2, np.int32), kv_cache=layer.allocate_cache(config, 4, 2), config=config)
     if name == "layer_decode":
@@ -143,7 +149,10 @@ def callables(call: str) -> list:
     """(label, thunk) pairs that a row's call stands for; a call with a symbolic dimension
     (``bfloat16["b", 3, 576]``) is exported."""
     node = ast.parse(call, mode="eval").body
-    kwargs = {k.arg: value(k.value) for k in node.keywords}
+    if getattr(node.func, "id", None) in ("layer_prefill", "layer_decode"):  # config fields and params_config={...} are literals
+        kwargs = {k.arg: ast.literal_eval(k.value) if k.arg in LAYER_LITERALS else value(k.value) for k in node.keywords}
+    else:
+        kwargs = {k.arg: value(k.value) for k in node.keywords}
     assert not node.args, f"use keyword arguments only: {call}"
     if any(isinstance(v, jax.ShapeDtypeStruct) for v in kwargs.values()):
         assert node.func.id == "attention", f"symbolic dimensions are wired for attention(...) rows: {call}"
@@ -164,7 +173,10 @@ def callables(call: str) -> list:
         return [(impl.__name__, functools.partial(invoke, impl, name, a)) for impl in (jax_kimi_mla, reference)]
     if name in ("layer_prefill", "layer_decode"):
         step = layer.prefill if name == "layer_prefill" else layer.decode
-        a = dict(layer_base(name), **kwargs)
+        changes = {k: kwargs.pop(k) for k in list(kwargs) if k in LAYER_LITERALS and k != "params_config"}
+        params_config = kwargs.pop("params_config", {})
+        a = dict(layer_base(name, tuple(sorted(params_config.items()))), **kwargs)
+        a["config"] = layer.MLAConfig(**{**LAYER_CONFIG, **changes})
         return [(name, lambda: step(**a))]
     fn = debug.check_inputs if name == "check_inputs" else getattr(jax_kimi_mla, name)
     return [(name, lambda: fn(**kwargs))]
