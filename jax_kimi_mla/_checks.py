@@ -89,17 +89,20 @@ def as_array(name: str, x):
         raise TypeError(f"{name} must be an array, got {type(x).__name__}") from e
 
 
-def cache(x, fmt: CacheFormat, act, why: str = ""):
+def cache(x, fmt: CacheFormat, act, why: str = "", stacked: bool = False):
     """Checks kv_cache against its format; ``why`` says how the call chose that format. Rows may
-    be wider than the entry (padded) when their size is a multiple of 16 bytes."""
+    be wider than the entry (padded) when their size is a multiple of 16 bytes. ``stacked``: a
+    stack [..., num_blocks, block_size, W] is taken too (the epilogues: its rows are addressed
+    whole, so a stack of layers is written in place without a reshape)."""
     x = as_array("kv_cache", x)
     want = fmt.cache_dtype(act)
     if jnp.dtype(x.dtype) != want:
         raise TypeError(f"kv_cache must have dtype {want} for {fmt.what}{why}, got {x.dtype}")
     shape = tuple(x.shape)
-    if len(shape) != 3 or shape[2] < fmt.width:
-        raise ValueError(f"kv_cache must be [num_blocks, block_size, {fmt.width}] ({fmt.what}{why}), got shape {shape}")
-    padded_row("kv_cache", shape[2], fmt, want, f"shape {shape}", why)
+    if (len(shape) < 3 if stacked else len(shape) != 3) or shape[-1] < fmt.width:
+        stack = f", or a stack [..., num_blocks, block_size, {fmt.width}]" if stacked else ""
+        raise ValueError(f"kv_cache must be [num_blocks, block_size, {fmt.width}]{stack} ({fmt.what}{why}), got shape {shape}")
+    padded_row("kv_cache", shape[-1], fmt, want, f"shape {shape}", why)
     return x
 
 
@@ -206,7 +209,7 @@ class _Checker:
         return x
 
     def cache(self, x, fmt: CacheFormat, why: str = ""):
-        return cache(x, fmt, self.act, why)
+        return cache(x, fmt, self.act, why, stacked=True)
 
     def rope(self, positions, cos_sin_cache, style="gptj"):
         self.rope_style = rope_style(style)

@@ -28,7 +28,8 @@ their first columns.
 
 A stack of layers shares one cache [layers, N, bs, W]: pass ``layer=i`` and the ops address that
 layer's rows of the whole stacked buffer, so the donated stack is updated in place with no slice
-copied out and back (see :func:`scan_layers`).
+copied out and back, under :func:`scan_layers` or from a loop unrolled in Python (layers of
+different kinds).
 
 Example (a 16-token prompt into blocks 0 and 1 of a 16-token-block cache)::
 
@@ -304,14 +305,19 @@ def _projections(params, x, config):
 
 
 def _layer_rows(kv_cache, layer):
-    """(the cache as [blocks, bs, W], first row of this layer, rows per layer).
+    """(first row of this layer in the whole cache, rows per layer).
 
-    A stacked cache [layers, N, bs, W] is viewed whole as [layers * N, bs, W] (a free reshape), and
-    this layer's rows are addressed by offsetting slots, so nothing is sliced out of the stack."""
-    if layer is None:
-        return kv_cache, 0, kv_cache.shape[0] * kv_cache.shape[1]
-    rows = kv_cache.shape[1] * kv_cache.shape[2]
-    return kv_cache.reshape(-1, *kv_cache.shape[2:]), layer * rows, rows
+    A stacked cache [layers, N, bs, W] goes whole to the epilogues, which address its rows as one
+    [layers * N * bs] range: this layer's slots are offset, so nothing is sliced out of the stack
+    and nothing reshapes the donated buffer before an in-place call (XLA copies a donated buffer
+    that is reshaped before one). The readers, which only read, take :func:`_flat` of it."""
+    rows = kv_cache.shape[-3] * kv_cache.shape[-2]
+    return (0 if layer is None else layer * rows), rows
+
+
+def _flat(cache):
+    """The cache as [blocks, bs, W] for the readers (a stack's layers are consecutive blocks)."""
+    return cache.reshape(-1, *cache.shape[-2:])
 
 
 def _cache_slots(slot_mapping, base, rows):
@@ -484,7 +490,8 @@ def prefill(
     positions, slot_mapping, cu_seqlens, block_table, context_len = _checks.layer_prefill(
         x, positions, slot_mapping, cu_seqlens, block_table, context_len)
     fmt, act = config.cache_format, config.dtype
-    cache, base, rows = _layer_rows(kv_cache, layer)
+    cache = kv_cache
+    base, rows = _layer_rows(kv_cache, layer)
     slots = _cache_slots(slot_mapping, base, rows)
     rope_kw = _rope_kwargs(positions, cos_sin_cache, config)
     T, H = x.shape[0], config.num_heads
@@ -499,7 +506,7 @@ def prefill(
     packed = cu.shape[0] > 2
     requested = attention_impl or config.attention_impl
     impl = prefill_attention.choose(requested, packed=packed, context=block_table is not None)
-    num_ctx = 0 if block_table is None else context_tokens or block_table.shape[0] * block_table.shape[1] * cache.shape[1]
+    num_ctx = 0 if block_table is None else context_tokens or block_table.shape[0] * block_table.shape[1] * cache.shape[-2]
     groups = prefill_head_groups(config, T, packed=packed, context_tokens=num_ctx)
     g = H // groups
 
@@ -580,7 +587,7 @@ def prefill(
     if block_table is not None:
         # The sequences' cached contexts, dequantized and packed back to back: [C, 576].
         ctx = ops.gather_mla_cache(
-            cache,
+            _flat(cache),
             _layer_tables(block_table, layer, kv_cache.shape[-3]),
             lens,
             num_tokens=num_ctx,
@@ -591,7 +598,7 @@ def prefill(
         ctx = ctx[:, :L], ctx[:, L:]  # split once: each group reads the latent and k_pe
     o = attend(0, q, k, v, ctx)
     if groups == 1:
-        return _proj("thv,hvd->td", o, params["o_proj"]), cache.reshape(kv_cache.shape)
+        return _proj("thv,hvd->td", o, params["o_proj"]), cache
     # The other groups one after another in a loop: each group's q, k, v and attention output
     # live in its own iteration only. Each group adds its heads' share of o_proj into the output
     # (the GEMM's accumulator, float32, rounded once per group), so that no [T, H, 128] output of
@@ -612,7 +619,7 @@ def prefill(
         return _proj_add("thv,hvd->td", attend(i, q, k, v, ctx), o_proj(i), out)
 
     out = jax.lax.fori_loop(1, groups, group, _proj("thv,hvd->td", o, o_proj(0)))
-    return out, cache.reshape(kv_cache.shape)
+    return out, cache
 
 
 def _attention_blockwise(q, k, v, cu, lens, ctx_k, ctx_v, config):
@@ -682,7 +689,6 @@ def decode(params, x, positions, slot_mapping, block_tables, context_lens, kv_ca
     _checks.layer_index(layer, kv_cache)
     positions, slot_mapping, block_tables, context_lens = _checks.layer_decode(x, positions, slot_mapping, block_tables, context_lens)
     fmt = config.cache_format
-    cache, base, rows = _layer_rows(kv_cache, layer)
     one_token = x.ndim == 2
     B, S = x.shape[0], 1 if one_token else x.shape[1]
     q, kv_a, kv_c_normed = _projections(params, x.reshape(B * S, -1), config)
@@ -692,12 +698,13 @@ def decode(params, x, positions, slot_mapping, block_tables, context_lens, kv_ca
     scales = {}
     if fmt == "fp8":
         scales = {"q_scale_inv": params["fp8_scale_inv"]["q"], "cache_scale_inv": params["fp8_scale_inv"]["cache"]}
+    base, rows = _layer_rows(kv_cache, layer)
     mqa_q, cache = ops.fused_mla_decode_q_concat_kv_cache_insert(
         ql_nope,
         columns(q, P),
         kv_c_normed,
         columns(kv_a, L),
-        cache,
+        kv_cache,
         _cache_slots(slot_mapping.reshape(B * S), base, rows),
         ds_mla=fmt == "fp8_ds_mla",
         **kw,
@@ -705,7 +712,7 @@ def decode(params, x, positions, slot_mapping, block_tables, context_lens, kv_ca
     )
     latent = ops.mla_decode_attention(
         mqa_q if one_token else mqa_q.reshape(B, S, *mqa_q.shape[1:]),
-        cache,
+        _flat(cache),
         _layer_tables(block_tables, layer, kv_cache.shape[-3]),
         context_lens,
         softmax_scale=config.attention_scale,
@@ -714,7 +721,7 @@ def decode(params, x, positions, slot_mapping, block_tables, context_lens, kv_ca
     ).reshape(B * S, -1, L)  # [B * S_q, H, 512]
     o = _proj("thl,lhv->thv", latent.astype(config.dtype), w_uv)
     out = _output(params, x.reshape(B * S, -1), o, config)
-    return out.reshape(x.shape[:-1] + out.shape[-1:]), cache.reshape(kv_cache.shape)
+    return out.reshape(x.shape[:-1] + out.shape[-1:]), cache
 
 
 def scan_layers(step, params, x, kv_cache, *args, **kwargs):
@@ -730,19 +737,17 @@ def scan_layers(step, params, x, kv_cache, *args, **kwargs):
         step = jax.jit(lambda p, x, c, *a: scan_layers(functools.partial(decode, config=config), p, x, c, *a),
                        donate_argnums=2)
     """
-    stacked = kv_cache.shape
 
     def body(carry, layer_params_and_index):
-        h, flat = carry
+        h, cache = carry
         p, i = layer_params_and_index
-        out, cache = step(p, h, *args, kv_cache=flat.reshape(stacked), layer=i, **kwargs)
-        return (h + out, cache.reshape(flat.shape)), None
+        out, cache = step(p, h, *args, kv_cache=cache, layer=i, **kwargs)
+        return (h + out, cache), None
 
-    # The loop carries the stack as [layers * N, bs, W]: XLA copies a loop-carried buffer that is
-    # reshaped before an in-place custom call, while these reshapes cancel against the step's own.
-    flat = kv_cache.reshape(-1, *stacked[2:])
-    (x, flat), _ = jax.lax.scan(body, (x, flat), (params, jnp.arange(stacked[0])))
-    return x, flat.reshape(stacked)
+    # The loop carries the stack as it is: the epilogues write it whole, and XLA copies a buffer
+    # that is reshaped before an in-place custom call.
+    (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (params, jnp.arange(kv_cache.shape[0])))
+    return x, kv_cache
 
 
 @_auto_axes_under_explicit_meshes("x")

@@ -301,6 +301,36 @@ def test_scan_layers_and_serve_loop_steps_copy_nothing(fmt, rope):
     check_no_copies(hlo, [cache.shape], [(2, H, 512), (2, H, 576)])
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_ds_mla"])
+def test_layers_called_one_by_one_copy_nothing(fmt):
+    """layer=i from an unrolled loop (layers of different kinds cannot share one scan): the
+    epilogues write the stack whole, so neither the stack nor a flat view of it is copied (with
+    the stack reshaped before the in-place call, XLA copied it in and out on every step)."""
+    layers = 2
+    config, params, cache, _ = layer_setup(fmt, False, layers)
+    positions = slots = jnp.arange(2, dtype=jnp.int32)
+    tables, lens = jnp.arange(4, dtype=jnp.int32).reshape(2, 2), jnp.array([1, 2], jnp.int32)
+
+    def decode_step(params, x, cache):
+        for i in range(layers):
+            out, cache = mla.decode(jax.tree.map(lambda a: a[i], params), x, positions, slots, tables, lens, cache, config=config, layer=i)
+            x = x + out
+        return x, cache
+
+    def prefill_step(params, x, cache):
+        for i in range(layers):
+            out, cache = mla.prefill(jax.tree.map(lambda a: a[i], params), x, jnp.arange(T, dtype=jnp.int32),
+                                     jnp.arange(T, dtype=jnp.int32), cache, config=config, layer=i)
+            x = x + out
+        return x, cache
+
+    flat = (layers * NUM_BLOCKS, *cache.shape[2:])
+    hlo = compiled(jax.jit(decode_step, donate_argnums=2), params, _normal(jax.random.key(8), (2, 128)), cache)
+    check_no_copies(hlo, [cache.shape], [flat, (2, H, 576)])
+    hlo = compiled(jax.jit(prefill_step, donate_argnums=2), params, _normal(jax.random.key(9), (T, 128)), cache)
+    check_no_copies(hlo, [cache.shape], [flat])
+
+
 # ---- the README's and the docstrings' code blocks, as written ----
 
 

@@ -193,6 +193,20 @@ def test_op_among_other_work(backend, fmt, rope):
     check_untouched_rows(got[-1], a["kv_cache"], a["slot_mapping"])
     np.testing.assert_allclose(np.asarray(got_sum), np.asarray(want_sum), rtol=1e-3 if rope else 1e-6)
 
+@pytest.mark.parametrize("fmt", list(EPILOGUES))
+def test_stacked_cache_is_written_whole(backend, fmt):
+    """A stack [layers, N, bs, W] is taken as it is: slot s addresses row s of the whole buffer,
+    the same bits as the flat [layers * N, bs, W] view (docs/SPEC.md; the layer writes a stack of
+    layers this way, without reshaping the donated buffer)."""
+    a = make_case(Case(fmt, 7, 2, rope=True, seed=31))
+    flat = a["kv_cache"]
+    stacked = flat.reshape(flat.shape[0], 1, *flat.shape[1:])  # a stack of one-block layers
+    want = to_numpy(jax.jit(functools.partial(invoke, jax_kimi_mla, fmt))(put(a, backend)))
+    got = to_numpy(jax.jit(functools.partial(invoke, jax_kimi_mla, fmt))(put(dict(a, kv_cache=stacked), backend)))
+    for (name, _, _), g, w in zip(OUTPUTS[fmt], got, want):
+        assert_bits_equal(g.reshape(w.shape), w, f"{name}: stacked vs flat")
+    assert got[-1].shape == stacked.shape
+
 
 @pytest.mark.parametrize("fmt", ["decode_bf16", "prefill_fp8_ds_mla", "decode_fp8"])
 def test_scan_over_layers(backend, fmt):

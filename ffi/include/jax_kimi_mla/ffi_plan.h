@@ -212,10 +212,13 @@ inline ffi::Error make_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets r
                                                                       : act;
   const int64_t entry = cache_type == ffi::DataType::U8 ? kDsMlaEntryBytes : kEntry;
   const int64_t item = cache_type == act ? 2 : 1;
-  ck.expect(cache.element_type() == cache_type && cache.dimensions().size() == 3,
+  // [num_blocks, block_size, W], or a stack of them [..., num_blocks, block_size, W]: the leading
+  // dimensions are blocks too (slot s is row s of the whole buffer).
+  const auto cache_dims = cache.dimensions();
+  ck.expect(cache.element_type() == cache_type && cache_dims.size() >= 3,
             "kv_cache has the wrong dtype or rank for this op");
   if (!ck.ok()) return ck.error();
-  const int64_t row_width = cache.dimensions()[2];  // elements of the cache dtype
+  const int64_t row_width = cache_dims[cache_dims.size() - 1];  // elements of the cache dtype
   ck.expect(row_width >= entry && row_width * item % 16 == 0,
             "kv_cache rows must hold an entry and be a multiple of 16 bytes");
   ck.expect(cache_out.element_type() == cache_type && cache_out.size_bytes() == cache.size_bytes(),
@@ -242,7 +245,8 @@ inline ffi::Error make_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets r
     if (style.has_value() && *style == "neox") e.rope_style = RopeStyle::kNeox;
   }
   e.cache_format = shape.cache;
-  e.cache_rows = cache.dimensions()[0] * cache.dimensions()[1];
+  e.cache_rows = 1;
+  for (size_t i = 0; i + 1 < cache_dims.size(); ++i) e.cache_rows *= cache_dims[i];
   // An activation source: [lead..., width] read from column `col` (the attribute `col_attr`,
   // default 0), so a per-head or per-token input can be a wider producer tensor.
   struct Source {
