@@ -135,6 +135,9 @@ def shard(op, mesh, *, head_axis=None, token_axis=None):
         per_head = next(by_name[n] for n in signature.parameters if n in _PER_HEAD)
         _check_divisible("the head count H", jnp.shape(per_head)[1], head_axis, mesh)
         _check_divisible("the token count T", jnp.shape(by_name["slot_mapping"])[0], token_axis, mesh)
+        if token_axis is not None and len(jnp.shape(by_name[_CACHE])) != 3:
+            raise ValueError(f"data parallel splits a [num_blocks, block_size, W] cache by its blocks; got kv_cache of shape "
+                             f"{tuple(jnp.shape(by_name[_CACHE]))} (a stack of layers: pass each layer's or a flat view)")
         _check_divisible("the cache's num_blocks", jnp.shape(by_name[_CACHE])[0], token_axis, mesh)
         return _shard_map(
             per_device,
