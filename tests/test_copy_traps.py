@@ -313,13 +313,13 @@ def test_layers_called_one_by_one_copy_nothing(fmt):
 
     def decode_step(params, x, cache):
         for i in range(layers):
-            out, cache = mla.decode(jax.tree.map(lambda a: a[i], params), x, positions, slots, tables, lens, cache, config=config, layer=i)
+            out, cache = mla.decode(jax.tree.map(lambda a, i=i: a[i], params), x, positions, slots, tables, lens, cache, config=config, layer=i)
             x = x + out
         return x, cache
 
     def prefill_step(params, x, cache):
         for i in range(layers):
-            out, cache = mla.prefill(jax.tree.map(lambda a: a[i], params), x, jnp.arange(T, dtype=jnp.int32),
+            out, cache = mla.prefill(jax.tree.map(lambda a, i=i: a[i], params), x, jnp.arange(T, dtype=jnp.int32),
                                      jnp.arange(T, dtype=jnp.int32), cache, config=config, layer=i)
             x = x + out
         return x, cache
