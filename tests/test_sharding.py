@@ -169,6 +169,16 @@ def test_data_parallel_matches_single_device(devs, name, rope):
         np.testing.assert_array_equal(bits(g), bits(w))
 
 
+def test_data_parallel_refuses_a_stacked_cache(devs):
+    """Data parallelism splits a cache by its blocks; a stack of layers (which the epilogues take
+    whole) would be split by its layers, so it is refused by name."""
+    mesh = devs.mesh()
+    op, kw, static = make_inputs(devs, "decode_bf16", rope=False)
+    stacked = kw["kv_cache"].reshape(1, *kw["kv_cache"].shape)
+    with pytest.raises(ValueError, match=r"data parallel splits a \[num_blocks, block_size, W\] cache by its blocks"):
+        sharding.data_parallel(op, mesh, "x")(**dict(kw, kv_cache=stacked))
+
+
 def test_two_dimensional_mesh_matches_single_device(devs):
     dp = 2 if devs.D % 2 == 0 else 1  # 8 CPUs: 2 x 4; 2 GPUs: 2 x 1
     mesh = devs.mesh((dp, devs.D // dp), ("dp", "tp"))
