@@ -487,8 +487,8 @@ def gather_cache(kv_cache, block_tables, context_lens, num_tokens, ds_mla, cache
 # ---- the layer's step arguments (jax_kimi_mla.layer) -----------------------------------------
 
 
-def _layer_index(name: str, x, shape: tuple, what: str):
-    """An int32/int64 index argument of the layer of exactly ``shape`` (spelled ``what``)."""
+def _index_argument(name: str, x, shape: tuple, what: str):
+    """An int32/int64 index argument of the layer, of exactly ``shape`` (spelled ``what``)."""
     x = as_array(name, x)
     expect_dtype(name, x, INDEX_DTYPES)
     expect_shape(name, x, shape, what)
@@ -536,9 +536,7 @@ def layer_index(layer, kv_cache):
         if not 0 <= layer < layers:
             raise ValueError(f"layer must be in [0, {layers}) (kv_cache holds {layers} layers), got {layer}")
         return
-    x = as_array("layer", layer)
-    expect_dtype("layer", x, INDEX_DTYPES)
-    expect_shape("layer", x, (), "a scalar")
+    _index_argument("layer", layer, (), "a scalar")
 
 
 def layer_prefill(x, positions, slot_mapping, cu_seqlens, block_table, context_len):
@@ -551,17 +549,17 @@ def layer_prefill(x, positions, slot_mapping, cu_seqlens, block_table, context_l
         raise ValueError(f"x must be [T, hidden], got shape {tuple(x.shape)}")
     T = int(x.shape[0])
     if positions is not None:
-        positions = _layer_index("positions", positions, (T,), f"[T] = [{T}] (x has {T} tokens)")
-    slot_mapping = _layer_index("slot_mapping", slot_mapping, (T,), f"[T] = [{T}] (x has {T} tokens)")
+        positions = _index_argument("positions", positions, (T,), f"[T] = [{T}] (x has {T} tokens)")
+    slot_mapping = _index_argument("slot_mapping", slot_mapping, (T,), f"[T] = [{T}] (x has {T} tokens)")
     if (block_table is None) != (context_len is None):
         given, missing = ("block_table", "context_len") if context_len is None else ("context_len", "block_table")
         raise ValueError(f"a chunk after cached tokens needs both block_table and context_len: {given} was given without "
                          f"{missing}")
     if cu_seqlens is None:
         if block_table is not None:
-            block_table = _layer_index("block_table", block_table, (None,), "[max_blocks] for one sequence (cu_seqlens not given)")
+            block_table = _index_argument("block_table", block_table, (None,), "[max_blocks] for one sequence (cu_seqlens not given)")
             shape = () if jnp.ndim(context_len) == 0 else (1,)
-            context_len = _layer_index("context_len", context_len, shape, "a scalar (or [1]) for one sequence (cu_seqlens not given)")
+            context_len = _index_argument("context_len", context_len, shape, "a scalar (or [1]) for one sequence (cu_seqlens not given)")
         return positions, slot_mapping, None, block_table, context_len
     cu = as_array("cu_seqlens", cu_seqlens)
     expect_dtype("cu_seqlens", cu, INDEX_DTYPES)
@@ -570,8 +568,8 @@ def layer_prefill(x, positions, slot_mapping, cu_seqlens, block_table, context_l
                          f"got shape {tuple(cu.shape)}")
     if block_table is not None:
         S = int(cu.shape[0]) - 1
-        block_table = _layer_index("block_table", block_table, (S, None), f"[S, max_blocks] with S = {S} (cu_seqlens has S + 1 = {S + 1} entries)")
-        context_len = _layer_index("context_len", context_len, (S,), f"[S] = [{S}] (cu_seqlens has S + 1 = {S + 1} entries)")
+        block_table = _index_argument("block_table", block_table, (S, None), f"[S, max_blocks] with S = {S} (cu_seqlens has S + 1 = {S + 1} entries)")
+        context_len = _index_argument("context_len", context_len, (S,), f"[S] = [{S}] (cu_seqlens has S + 1 = {S + 1} entries)")
     return positions, slot_mapping, cu, block_table, context_len
 
 
@@ -585,6 +583,6 @@ def layer_decode(x, positions, slot_mapping, block_tables, context_lens):
     tokens = tuple(int(d) for d in x.shape[:-1])
     what = f"{'[B]' if len(tokens) == 1 else '[B, S_q]'} = {list(tokens)} (x is {tuple(x.shape)})"
     if positions is not None:
-        positions = _layer_index("positions", positions, tokens, what)
-    slot_mapping = _layer_index("slot_mapping", slot_mapping, tokens, what)
+        positions = _index_argument("positions", positions, tokens, what)
+    slot_mapping = _index_argument("slot_mapping", slot_mapping, tokens, what)
     return positions, slot_mapping, as_array("block_tables", block_tables), as_array("context_lens", context_lens)

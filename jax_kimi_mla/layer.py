@@ -179,17 +179,21 @@ def _weight_shapes(config: MLAConfig) -> dict:
     return shapes
 
 
+@functools.cache
+def _param_shapes(config: MLAConfig) -> dict:
+    """The shape of each of one layer's params, as :func:`init_params` makes them for ``config``;
+    the weights first, in their order, so a config of other sizes is named by its first weight."""
+    abstract = jax.eval_shape(lambda key: init_params(key, config), jax.random.key(0))
+    shapes = jax.tree.map(lambda leaf: tuple(leaf.shape), abstract, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    weights = list(_weight_shapes(config))
+    return {name: shapes[name] for name in sorted(shapes, key=lambda n: weights.index(n) if n in weights else len(weights))}
+
+
 def _check_params(params, config: MLAConfig) -> None:
     """One layer's params against the shapes ``config`` implies (init_params' layout)."""
-    shapes = {name: shape for name, (shape, _) in _weight_shapes(config).items()}
-    shapes["kv_a_norm"] = (L,)
-    if config.q_lora_rank is not None:
-        shapes["q_a_norm"] = (config.q_lora_rank,)
-    if config.cache_format == "fp8":
-        shapes["fp8_scale_inv"] = {n: () for n in ("q", "k", "v", "cache")}
     says = (f"hidden_size={config.hidden_size}, num_heads={config.num_heads}, q_lora_rank={config.q_lora_rank}, "
             f"output_gate={config.output_gate}, cache_format={config.cache_format!r}")
-    _checks.layer_params(params, shapes, says)
+    _checks.layer_params(params, _param_shapes(config), says)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_layers"))
@@ -490,7 +494,6 @@ def prefill(
     positions, slot_mapping, cu_seqlens, block_table, context_len = _checks.layer_prefill(
         x, positions, slot_mapping, cu_seqlens, block_table, context_len)
     fmt, act = config.cache_format, config.dtype
-    cache = kv_cache
     base, rows = _layer_rows(kv_cache, layer)
     slots = _cache_slots(slot_mapping, base, rows)
     rope_kw = _rope_kwargs(positions, cos_sin_cache, config)
@@ -506,7 +509,7 @@ def prefill(
     packed = cu.shape[0] > 2
     requested = attention_impl or config.attention_impl
     impl = prefill_attention.choose(requested, packed=packed, context=block_table is not None)
-    num_ctx = 0 if block_table is None else context_tokens or block_table.shape[0] * block_table.shape[1] * cache.shape[-2]
+    num_ctx = 0 if block_table is None else context_tokens or block_table.shape[0] * block_table.shape[1] * kv_cache.shape[-2]
     groups = prefill_head_groups(config, T, packed=packed, context_tokens=num_ctx)
     g = H // groups
 
@@ -582,7 +585,7 @@ def prefill(
 
     # Group 0 (all heads when ungrouped) writes the chunk into the cache.
     latents = q_c, kv_c_normed, k_pe
-    q, k, v, cache = qkv(0, cache, slots, *latents)
+    q, k, v, cache = qkv(0, kv_cache, slots, *latents)
     ctx = None
     if block_table is not None:
         # The sequences' cached contexts, dequantized and packed back to back: [C, 576].
