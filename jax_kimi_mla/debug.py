@@ -45,13 +45,15 @@ def check_inputs(kv_cache, slot_mapping, *, positions=None, cos_sin_cache=None, 
     """Raises where the ops would silently skip a slot, clamp a position or drop a token's entry.
 
     Args:
-      kv_cache: [num_blocks, block_size, width], any cache format (only its shape is read).
+      kv_cache: [num_blocks, block_size, width], any cache format, or a stack of such caches
+        [..., num_blocks, block_size, width] whose rows the slots address as one range, as the
+        epilogues do (only its shape is read).
       slot_mapping: [T] int32 or int64.
       positions: optional [T] int32 or int64; needs ``cos_sin_cache``.
       cos_sin_cache: optional [max_position, 64] (only its shape is read).
-      block_size: the block size the caller believes the cache has; compared to kv_cache.shape[1].
-      allow_padding: whether negative slots (padding) are allowed. Slots >= num_blocks *
-        block_size are always reported.
+      block_size: the block size the caller believes the cache has; compared to kv_cache.shape[-2].
+      allow_padding: whether negative slots (padding) are allowed. Slots past the cache's rows
+        are always reported.
 
     Raises:
       ValueError: eagerly, listing out-of-range slots and positions, duplicate valid slots; a
@@ -59,14 +61,21 @@ def check_inputs(kv_cache, slot_mapping, *, positions=None, cos_sin_cache=None, 
       TypeError: a dtype that the ops reject (same messages as the ops).
     """
     kv_cache = _checks.as_array("kv_cache", kv_cache)
-    _checks.expect_shape("kv_cache", kv_cache, (None, None, None), "[num_blocks, block_size, width]")
-    if block_size is not None and block_size != kv_cache.shape[1]:
+    shape = tuple(kv_cache.shape)
+    if len(shape) < 3:
         raise ValueError(
-            f"block_size={block_size} does not match the cache: kv_cache has shape {tuple(kv_cache.shape)}, "
-            f"so its block size (kv_cache.shape[1]) is {kv_cache.shape[1]}"
+            f"kv_cache must be [num_blocks, block_size, width] or a stack [..., num_blocks, block_size, width], "
+            f"got shape {shape}"
+        )
+    if block_size is not None and block_size != shape[-2]:
+        raise ValueError(
+            f"block_size={block_size} does not match the cache: kv_cache has shape {shape}, "
+            f"so its block size (kv_cache.shape[-2]) is {shape[-2]}"
         )
     slots = _index("slot_mapping", slot_mapping, None)
-    num_rows = kv_cache.shape[0] * kv_cache.shape[1]
+    num_rows = int(np.prod(shape[:-1]))
+    # A stack's slots address all its rows (the epilogues' rule), so the bound is named for what it counts.
+    rows = "num_blocks * block_size" if len(shape) == 3 else "the stack's rows, prod(kv_cache.shape[:-1])"
     if (positions is None) != (cos_sin_cache is None):
         given, missing = ("positions", "cos_sin_cache") if cos_sin_cache is None else ("cos_sin_cache", "positions")
         raise ValueError(
@@ -79,10 +88,10 @@ def check_inputs(kv_cache, slot_mapping, *, positions=None, cos_sin_cache=None, 
         _checks.expect_shape("cos_sin_cache", cos_sin_cache, (None, R), "[max_position, 64]")
     max_position = None if positions is None else cos_sin_cache.shape[0]
     if any(isinstance(x, jax.core.Tracer) for x in (slots, positions)):
-        _staged(slots, positions, num_rows, max_position, allow_padding)
+        _staged(slots, positions, num_rows, rows, max_position, allow_padding)
         return
     positions = None if positions is None else np.asarray(positions)
-    problems = _problems(np.asarray(slots), positions, num_rows, max_position, allow_padding)
+    problems = _problems(np.asarray(slots), positions, num_rows, rows, max_position, allow_padding)
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -100,14 +109,14 @@ def _listing(tokens, values) -> str:
     return shown + (f", ... ({len(tokens)} in all)" if len(tokens) > _SHOWN else "")
 
 
-def _problems(slots, positions, num_rows, max_position, allow_padding) -> list:
+def _problems(slots, positions, num_rows, rows, max_position, allow_padding) -> list:
     """Eager checks in numpy: every offending token, by problem."""
     slots = slots.astype(np.int64)
     problems = []
     too_large = np.flatnonzero(slots >= num_rows)
     if too_large.size:
         problems.append(
-            f"slot_mapping has {too_large.size} slot(s) >= num_blocks * block_size = {num_rows} "
+            f"slot_mapping has {too_large.size} slot(s) >= {rows} = {num_rows} "
             f"(the ops skip them): {_listing(too_large, slots[too_large])}"
         )
     negative = np.flatnonzero(slots < 0)
@@ -135,15 +144,15 @@ def _problems(slots, positions, num_rows, max_position, allow_padding) -> list:
     return problems
 
 
-def _staged(slots, positions, num_rows, max_position, allow_padding) -> None:
+def _staged(slots, positions, num_rows, rows, max_position, allow_padding) -> None:
     """The same checks as checkify.check calls; each reports its first offending token."""
     if slots.shape[0] == 0:
         return
     if allow_padding:
-        bad, what = slots >= num_rows, f">= num_blocks * block_size = {num_rows}"
+        bad, what = slots >= num_rows, f">= {rows} = {num_rows}"
     else:
         bad = (slots < 0) | (slots >= num_rows)
-        what = f"outside [0, num_blocks * block_size) = [0, {num_rows}) and allow_padding=False"
+        what = f"outside [0, {rows}) = [0, {num_rows}) and allow_padding=False"
     t = jnp.argmax(bad)
     checkify.check(~jnp.any(bad), f"slot_mapping[{{t}}] = {{slot}} is {what}", t=t, slot=slots[t])
     if slots.shape[0] > 1:

@@ -234,6 +234,19 @@ def test_check_inputs_passes_valid_calls():
     assert err.get() is None
 
 
+def test_check_inputs_takes_a_stack_as_the_epilogues_address_it():
+    """A stack [layers, num_blocks, block_size, W]: slots range over all its rows, so layer i's
+    slots offset by i * num_blocks * block_size pass, and one past the last layer is reported."""
+    stack = np.zeros((3, 2, 4, 576), DTYPES["bfloat16"])
+    layer_2 = 2 * 8 + np.array([0, 7, -1], np.int32)
+    debug.check_inputs(stack, layer_2, block_size=4)
+    with pytest.raises(ValueError, match=r"slot\(s\) >= the stack's rows, prod\(kv_cache.shape\[:-1\]\) = 24"):
+        debug.check_inputs(stack, layer_2 + 8)
+    err, _ = jax.jit(checkify.checkify(lambda s: debug.check_inputs(stack, s)))(layer_2 + 8)
+    with pytest.raises(checkify.JaxRuntimeError, match=r"slot_mapping\[0\] = 24 is >= the stack's rows"):
+        err.throw()
+
+
 def test_check_inputs_under_jit_without_checkify_fails_to_trace():
     cache = np.zeros((2, 4, 576), DTYPES["bfloat16"])
     with pytest.raises(ValueError, match="checkify.check which was not functionalized"):
