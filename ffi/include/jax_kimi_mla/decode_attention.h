@@ -114,7 +114,8 @@ inline ffi::Error make_decode_attention(ffi::AnyBuffer q, ffi::AnyBuffer cache,
     return fail("out must be [B * S_q, H, 512] in the output dtype");
   if (lse.element_type() != T::F32 || ld.size() != 2 || ld[0] != qd[0] || ld[1] != a.heads)
     return fail("lse must be float32 [B * S_q, H]");
-  if (num_splits < 1 || num_splits > kMaxSplits) return fail("num_splits must be 1..1024");
+  if (num_splits < 1 || num_splits > kMaxSplits)
+    return fail(("num_splits must be 1.." + std::to_string(kMaxSplits)).c_str());
   const size_t want = num_splits == 1 ? 0 : size_t(num_splits * a.batch * a.rows() * kAttnRowStats);
   if (partials.element_type() != T::F32 || partials.element_count() != want)
     return fail("partials must be float32 [num_splits * B * S_q * H * 513] (empty for one split)");
