@@ -89,16 +89,18 @@ mlir.register_lowering(_missing_cuda_p, _missing_cuda_lowering, platform="cuda")
 PUBLIC_NAMES = {e.target: e.op for e in EPILOGUES.values()} | {r: r for r in READERS}
 
 
-def call(op: str, inputs, result_shapes, aliases: dict[int, int], attrs: dict):
+def call(op: str, inputs, result_shapes, aliases: dict[int, int], attrs: dict, fold=None):
     """Runs one FFI target. ``aliases`` maps input index -> output index (in place); ``attrs``
     are its attributes, typed as the handler binds them. Under a jit on sharded inputs the call
-    is partitioned by ``_partition``'s rule of the target; a scratch result comes back as None."""
+    is partitioned by ``_partition``'s rule of the target; a scratch result comes back as None.
+    Under ``jax.vmap``, ``fold(axis_size, in_batched, inputs, result_shapes, attrs)`` gives the one
+    call that does the whole batch, as (inputs, result_shapes, attrs, unfold), or None: then the
+    batch runs as a loop of calls (``_batching``)."""
 
     def make_target(results):
         return jax.ffi.ffi_call(target_name(op), results, input_output_aliases=aliases, vmap_method="sequential")
 
-    # vmap: each batch element is an independent call on its own cache, so a loop is always
-    # correct (custom_partitioning has no batching rule of its own).
+    # custom_partitioning has no batching rule of its own: this one folds or loops.
     @custom_batching.custom_vmap
     def partitioned(*args):
         if not HAS_CUDA_MODULE:
@@ -106,12 +108,18 @@ def call(op: str, inputs, result_shapes, aliases: dict[int, int], attrs: dict):
         return _partition.call(op, make_target, args, result_shapes, aliases, attrs)
 
     @partitioned.def_vmap
-    def _sequential(axis_size, in_batched, *args):
-        def one(batched):
-            it = iter(batched)
-            return partitioned(*(next(it) if b else x for x, b in zip(args, in_batched)))
+    def _batched(axis_size, in_batched, *args):
+        plan = None if fold is None else fold(axis_size, in_batched, args, result_shapes, attrs)
+        if plan is not None:
+            folded, folded_shapes, folded_attrs, unfold = plan
+            outs = unfold(call(op, folded, folded_shapes, aliases, folded_attrs, fold))
+        else:
 
-        outs = jax.lax.map(one, [x for x, b in zip(args, in_batched) if b])
+            def one(batched):
+                it = iter(batched)
+                return partitioned(*(next(it) if b else x for x, b in zip(args, in_batched)))
+
+            outs = jax.lax.map(one, [x for x, b in zip(args, in_batched) if b])
         return outs, jax.tree.map(lambda _: True, outs)
 
     # The ops are inference-only: differentiating one says so at trace time, instead of jax's

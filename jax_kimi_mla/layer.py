@@ -18,7 +18,9 @@ The cache is paged: token t of a sequence lives in row ``slot = block * block_si
 
 - ``"bf16"``: [N, bs, 576] in the activation dtype, entries [kv_c_normed | k_pe];
 - ``"fp8"``: [N, bs, 576] float8_e4m3fn with per-tensor scales; prefill attention then runs on
-  fp8 q, k, v (dequantized), decode on an fp8 mqa_q. The ``scale_inv`` values are calibration
+  the chunk's fp8 q, k, v (dequantized) and, in chunked prefill, on the cached context's k, v
+  up-projected in the activation dtype from the dequantized cache (not quantized again); decode
+  runs on an fp8 mqa_q. The ``scale_inv`` values are calibration
   constants of the layer, so they live in ``params["fp8_scale_inv"]`` (as vLLM keeps them on the
   attention layer), not beside the cache, which stays a single donatable array;
 - ``"fp8_ds_mla"``: [N, bs, 656] uint8 entries (E4M3 latent, tile scales, bf16 k_pe).

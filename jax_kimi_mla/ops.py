@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _checks, _ffi, reference
+from . import _batching, _checks, _ffi, reference
 from .formats import ENTRY, EPILOGUES, Epilogue, L, P, R, V
 
 _NO_POSITIONS = ((0,), jnp.int32)
@@ -72,7 +72,7 @@ def _like(x):
 def _call(epilogue: Epilogue, operands, result_shapes, attrs, aliases=None):
     """One epilogue target, its cache aliased (and ``aliases``)."""
     aliases = {epilogue.cache_input: epilogue.cache_output} | (aliases or {})
-    return _ffi.call(epilogue.target, operands, result_shapes, aliases, attrs)
+    return _ffi.call(epilogue.target, operands, result_shapes, aliases, attrs, fold=_batching.epilogue(epilogue))
 
 
 def _prefill(epilogue: Epilogue, q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, rope_style):
@@ -356,6 +356,7 @@ def mla_decode_attention(
         ],
         {},
         {"softmax_scale": np.float32(c.softmax_scale), "q_tokens": np.int64(S), "num_splits": np.int64(splits)},
+        fold=_batching.decode_attention,
     )
     lead = (B,) if c.squeeze else (B, S)
     out, lse = out.reshape(*lead, H, L), lse.reshape(*lead, H)

@@ -52,10 +52,6 @@ CASES = [
     for T, H, act, index, rope, k3, mode, extra in SHAPES
 ]
 
-# XLA:CPU of jax < 0.11 canonicalizes bf16 NaN payloads where 0.11.2 keeps them.
-JAX_BEFORE_0_11 = jax.__version_info__ < (0, 11)
-
-
 def run_op(fmt, mode, a):
     fn = jitted(jax_kimi_mla, fmt) if mode == "jit" else functools.partial(invoke, jax_kimi_mla, fmt)
     return to_numpy(fn(a))
@@ -110,12 +106,7 @@ def test_vmap_matches_loop(backend, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_vmap_keeps_untouched_rows(request, backend, fmt):
-    if backend == "cpu" and fmt in ("prefill_bf16", "decode_bf16"):
-        # vmap_method="sequential" carries the bf16 cache through a loop that XLA's CPU backend
-        # computes in float32: NaN payloads in rows the op never writes lose their low bits.
-        # (jax 0.10.2; jax 0.11.2 keeps them)
-        request.applymarker(pytest.mark.xfail(JAX_BEFORE_0_11, strict=True, reason="XLA CPU of jax < 0.11 canonicalizes bf16 NaN payloads in the vmap loop"))
+def test_vmap_keeps_untouched_rows(backend, fmt):
     got, cases = _vmapped_and_batch(backend, fmt)
     for i, a in enumerate(cases):
         check_untouched_rows(got[-1][i], a["kv_cache"], a["slot_mapping"], f"vmap {fmt} kv_cache[{i}]")
