@@ -56,8 +56,9 @@ def test_epilogue_batch_is_one_call(backend, fmt, rope):
     got = to_numpy(step(put(batched, backend), put(shared, backend)))
     check_against_one_by_one(fmt, got, cases, backend)
     if backend == "cpu":
-        donated = jax.jit(jax.vmap(lambda b, s: invoke(jax_kimi_mla, fmt, {**b, **s}), in_axes=(0, None)), donate_argnums=0)
-        hlo = compiled(donated, batched, shared)
+        op = jax.vmap(lambda b, c, s: invoke(jax_kimi_mla, fmt, {**b, "kv_cache": c, **s}), in_axes=(0, 0, None))
+        rest = {k: v for k, v in batched.items() if k != "kv_cache"}
+        hlo = compiled(jax.jit(op, donate_argnums=1), rest, batched["kv_cache"], shared)
         assert one_call(hlo), hlo
         stack = batched["kv_cache"].shape
         assert set(parameters_of_shape(hlo, stack)) <= aliased_parameters(hlo), "the stacked cache is not aliased"
