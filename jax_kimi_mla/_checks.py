@@ -517,6 +517,30 @@ def layer_params(params, expected: dict, config_says: str) -> None:
                              "must match")
 
 
+def layer_weight_dtypes(params, names, dtype) -> None:
+    """The layer's matrices are in the activation dtype (the GEMMs' operands; init_params makes
+    them so), not cast silently."""
+    for name in names:
+        got = jnp.result_type(params[name])
+        if got != dtype:
+            raise TypeError(f"params[{name!r}] has dtype {got}, but the config's activation dtype (MLAConfig.dtype) is "
+                            f"{jnp.dtype(dtype)}: the weights must be in it, as init_params makes them")
+
+
+def layer_stack(params, kv_cache) -> int:
+    """scan_layers' stacks: a [layers, N, bs, W] cache and params with as many layers (the leading
+    axis of every leaf, as init_params(..., num_layers=layers) makes them). Returns layers."""
+    shape = tuple(jnp.shape(kv_cache))
+    if len(shape) != 4:
+        raise ValueError(f"scan_layers needs a stacked kv_cache [layers, num_blocks, block_size, W], got shape {shape}")
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if jnp.shape(leaf)[:1] != shape[:1]:
+            raise ValueError(f"params{jax.tree_util.keystr(path)} has shape {tuple(jnp.shape(leaf))}, but scan_layers needs the "
+                             f"leading axis of every leaf to be the {shape[0]} layers of kv_cache (shape {shape}): make params "
+                             f"with init_params(key, config, num_layers={shape[0]})")
+    return shape[0]
+
+
 def layer_index(layer, kv_cache):
     """Checks the layer index against the cache: None with a [N, bs, W] cache, or an int (Python
     int in [0, layers), or an int32/int64 scalar array, which may be traced) with a stacked
@@ -539,14 +563,29 @@ def layer_index(layer, kv_cache):
     _index_argument("layer", layer, (), "a scalar")
 
 
-def layer_prefill(x, positions, slot_mapping, cu_seqlens, block_table, context_len):
-    """Checks layer.prefill's token and sequence arguments: x [T, hidden], positions (or None)
-    and slot_mapping [T], cu_seqlens [S + 1] (or None: one sequence), and block_table /
-    context_len both or neither ([max_blocks] and a scalar for one sequence, [S, max_blocks] and
-    [S] packed). cu_seqlens's values are traced: the layer clips them (layer.prefill)."""
+def _layer_x(x, ranks: tuple, what: str, hidden: int, dtype):
+    """The layer's x: of a rank in ``ranks`` (``what`` spells them), hidden = config.hidden_size
+    wide, in the config's activation dtype (the weights' too: nothing is cast silently)."""
     x = as_array("x", x)
-    if x.ndim != 2:
-        raise ValueError(f"x must be [T, hidden], got shape {tuple(x.shape)}")
+    if x.ndim not in ranks:
+        raise ValueError(f"x must be {what}, got shape {tuple(x.shape)}")
+    if x.shape[-1] != hidden:
+        raise ValueError(f"x must be {what} with hidden = config.hidden_size = {hidden}, got shape {tuple(x.shape)}")
+    if x.dtype != dtype:
+        raise TypeError(f"x must have the config's activation dtype {jnp.dtype(dtype)} (MLAConfig.dtype), got {x.dtype}")
+    return x
+
+
+def layer_prefill(x, positions, slot_mapping, cu_seqlens, block_table, context_len, context_tokens, hidden: int, dtype):
+    """Checks layer.prefill's token and sequence arguments: x [T, hidden] (config.hidden_size, in
+    the config's dtype), positions (or None) and slot_mapping [T], cu_seqlens [S + 1] (or None:
+    one sequence), block_table / context_len both or neither ([max_blocks] and a scalar for one
+    sequence, [S, max_blocks] and [S] packed), and context_tokens (None or a static int).
+    cu_seqlens's values are traced: the layer clips them (layer.prefill)."""
+    x = _layer_x(x, (2,), "[T, hidden]", hidden, dtype)
+    if context_tokens is not None and (isinstance(context_tokens, bool) or not isinstance(context_tokens, (int, np.integer))
+                                       or context_tokens < 0):
+        raise ValueError(f"context_tokens must be None or a static int >= 0 (it sizes the gathered context), got {context_tokens!r}")
     T = int(x.shape[0])
     if positions is not None:
         positions = _index_argument("positions", positions, (T,), f"[T] = [{T}] (x has {T} tokens)")
@@ -573,13 +612,11 @@ def layer_prefill(x, positions, slot_mapping, cu_seqlens, block_table, context_l
     return positions, slot_mapping, cu, block_table, context_len
 
 
-def layer_decode(x, positions, slot_mapping, block_tables, context_lens):
-    """Checks layer.decode's token arguments: x [B, hidden] or [B, S_q, hidden]; positions (or
-    None) and slot_mapping [B] / [B, S_q]; block_tables and context_lens made arrays (their shapes
-    are mla_decode_attention's to check)."""
-    x = as_array("x", x)
-    if x.ndim not in (2, 3):
-        raise ValueError(f"x must be [B, hidden] or [B, S_q, hidden], got shape {tuple(x.shape)}")
+def layer_decode(x, positions, slot_mapping, block_tables, context_lens, hidden: int, dtype):
+    """Checks layer.decode's token arguments: x [B, hidden] or [B, S_q, hidden] (as prefill's x);
+    positions (or None) and slot_mapping [B] / [B, S_q]; block_tables and context_lens made arrays
+    (their shapes are mla_decode_attention's to check)."""
+    x = _layer_x(x, (2, 3), "[B, hidden] or [B, S_q, hidden]", hidden, dtype)
     tokens = tuple(int(d) for d in x.shape[:-1])
     what = f"{'[B]' if len(tokens) == 1 else '[B, S_q]'} = {list(tokens)} (x is {tuple(x.shape)})"
     if positions is not None:

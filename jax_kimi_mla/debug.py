@@ -7,7 +7,7 @@ of these, and a ``block_size`` that does not match the cache.
 
 Eagerly (concrete arrays) it raises ``ValueError`` listing every offending token::
 
-    check_inputs(kv_cache, slot_mapping, positions=positions, cos_sin_cache=cos_sin_cache, block_size=16)
+    check_inputs(kv_cache, slot_mapping, positions=positions, cos_sin_cache=cos_sin_cache, block_size=block_size)
 
 Under ``jax.jit`` the values are unknown at trace time, so the checks are staged with
 ``jax.experimental.checkify``: wrap the jitted function with ``checkify.checkify`` and throw
@@ -16,7 +16,7 @@ the returned error (a ``checkify.JaxRuntimeError``, which is a ``ValueError``)::
     from jax.experimental import checkify
 
     def step(ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping):
-        check_inputs(kv_cache, slot_mapping, block_size=16)
+        check_inputs(kv_cache, slot_mapping, block_size=block_size)  # the block size the server allocated
         return fused_mla_decode_q_concat_kv_cache_insert(ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping)
 
     err, (mqa_q, kv_cache) = jax.jit(checkify.checkify(step), donate_argnums=(4,))(

@@ -196,6 +196,7 @@ def _check_params(params, config: MLAConfig) -> None:
     says = (f"hidden_size={config.hidden_size}, num_heads={config.num_heads}, q_lora_rank={config.q_lora_rank}, "
             f"output_gate={config.output_gate}, cache_format={config.cache_format!r}")
     _checks.layer_params(params, _param_shapes(config), says)
+    _checks.layer_weight_dtypes(params, _weight_shapes(config), config.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_layers"))
@@ -477,7 +478,8 @@ def prefill(
         S and T can be bucketed). Then block_table is [S, max_blocks] and context_len [S] (or
         both None: no context). Values outside [0, T] are clipped and a decrease is read as an
         empty sequence (a running max), so no value reaches outside x.
-      layer: index (may be traced) of this layer in a stacked cache.
+      layer: index (may be traced) of this layer in a stacked cache. A traced index outside
+        [0, layers) writes nothing and reads no cached token (a Python int there is an error).
       cos_sin_cache: float32 [max_position, 64] turns RoPE on (``config.rope_style``: GPT-J by
         default, or NeoX); None = NoPE (Kimi-K3).
       attention_impl: "auto", "cudnn" or "blockwise" (static): overrides
@@ -494,7 +496,7 @@ def prefill(
     _check_params(params, config)
     _checks.layer_index(layer, kv_cache)
     positions, slot_mapping, cu_seqlens, block_table, context_len = _checks.layer_prefill(
-        x, positions, slot_mapping, cu_seqlens, block_table, context_len)
+        x, positions, slot_mapping, cu_seqlens, block_table, context_len, context_tokens, config.hidden_size, config.dtype)
     fmt, act = config.cache_format, config.dtype
     base, rows = _layer_rows(kv_cache, layer)
     slots = _cache_slots(slot_mapping, base, rows)
@@ -692,7 +694,8 @@ def decode(params, x, positions, slot_mapping, block_tables, context_lens, kv_ca
     """
     _check_params(params, config)
     _checks.layer_index(layer, kv_cache)
-    positions, slot_mapping, block_tables, context_lens = _checks.layer_decode(x, positions, slot_mapping, block_tables, context_lens)
+    positions, slot_mapping, block_tables, context_lens = _checks.layer_decode(
+        x, positions, slot_mapping, block_tables, context_lens, config.hidden_size, config.dtype)
     fmt = config.cache_format
     one_token = x.ndim == 2
     B, S = x.shape[0], 1 if one_token else x.shape[1]
@@ -751,7 +754,8 @@ def scan_layers(step, params, x, kv_cache, *args, **kwargs):
 
     # The loop carries the stack as it is: the epilogues write it whole, and XLA copies a buffer
     # that is reshaped before an in-place custom call.
-    (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (params, jnp.arange(kv_cache.shape[0])))
+    layers = _checks.layer_stack(params, kv_cache)
+    (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (params, jnp.arange(layers)))
     return x, kv_cache
 
 

@@ -1,5 +1,5 @@
 """The README's Python blocks run as written, in order, in one namespace (as a reader pastes them);
-so do docs/SHARDING.md's, the doctests and the ``::`` example blocks of the docstrings."""
+so do docs/SHARDING.md's and docs/ABI.md's, the doctests and the ``::`` example blocks of the docstrings."""
 
 import re
 from pathlib import Path
@@ -32,6 +32,16 @@ def test_sharding_doc_python_blocks_run():
     assert blocks
     for i, block in enumerate(blocks):
         exec(compile(block, f"docs/SHARDING.md python block {i + 1}", "exec"), namespace)  # noqa: S102
+
+
+def test_abi_doc_python_blocks_run():
+    """docs/ABI.md's export example, as written (serialize() needs flatbuffers: the [test] extra)."""
+    namespace = {"__name__": "abi_doc"}
+    blocks = python_blocks((README.parent / "docs" / "ABI.md").read_text())
+    assert blocks
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"docs/ABI.md python block {i + 1}", "exec"), namespace)  # noqa: S102
+    assert namespace["outputs"][1].shape == (8, 16, 576)
 
 
 def test_docstring_examples_run():
@@ -105,7 +115,7 @@ def example_inputs() -> dict:
         jax=jax, jnp=jnp, np=np, functools=functools,
         q=normal(T, H, 192), k_nope=normal(T, H, 128), k_pe=normal(T, 64), kv_c_normed=normal(T, 512),
         ql_nope=normal(T, H, 512), q_pe=normal(T, H, 64), mqa_q=normal(T, H, 576),
-        kv_cache=jnp.zeros((8, 16, 576), jnp.bfloat16), slot_mapping=jnp.array([0, 17, -1, 40], jnp.int32),
+        kv_cache=jnp.zeros((8, 16, 576), jnp.bfloat16), block_size=16, slot_mapping=jnp.array([0, 17, -1, 40], jnp.int32),
         positions=jnp.arange(T, dtype=jnp.int32), cos_sin_cache=jax_kimi_mla.make_cos_sin_cache(64),
         block_tables=jnp.arange(2 * T, dtype=jnp.int32).reshape(T, 2), context_lens=jnp.array([1, 5, 0, 32], jnp.int32),
         mesh=jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",)),

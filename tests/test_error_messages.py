@@ -109,20 +109,22 @@ LAYER_CONFIG = dict(hidden_size=64, num_heads=2)
 # Keywords of layer rows read as literals: MLAConfig fields that change the call's config (the
 # params stay the base config's), and params_config={...}, fields that change the params' config.
 LAYER_LITERALS = {"num_heads", "hidden_size", "q_lora_rank", "output_gate", "cache_format", "params_config"}
+LAYER_CALLS = ("layer_prefill", "layer_decode", "layer_scan")
 
 
 @functools.cache
-def _layer_weights(params_changes: tuple = ()):
+def _layer_weights(params_changes: tuple = (), num_layers=None):
     config = layer.MLAConfig(**{**LAYER_CONFIG, **dict(params_changes)})
-    return config, layer.init_params(jax.random.key(0), config)
+    return config, layer.init_params(jax.random.key(0), config, num_layers)
 
 
 def layer_base(name: str, params_changes: tuple = ()) -> dict:
     """The valid layer.prefill / layer.decode call that the layer_prefill(...) / layer_decode(...)
     rows change: 2 tokens (2 sequences in decode), hidden 64, 2 heads, a bf16 cache [4, 2, 576]."""
-    config, params = _layer_weights(params_changes)
+    num_layers = 2 if name == "layer_scan" else None
+    config, params = _layer_weights(params_changes, num_layers)
     a = dict(params=params, x=np.zeros((2, 64), DTYPES["bfloat16"]), positions=np.zeros(2, np.int32),
-             slot_mapping=np.zeros(2, np.int32), kv_cache=layer.allocate_cache(config, 4, 2), config=config)
+             slot_mapping=np.zeros(2, np.int32), kv_cache=layer.allocate_cache(config, 4, 2, num_layers), config=config)
     if name == "layer_decode":
         a.update(block_tables=np.zeros((2, 2), np.int32), context_lens=np.zeros(2, np.int32))
     return a
@@ -149,7 +151,7 @@ def callables(call: str) -> list:
     """(label, thunk) pairs that a row's call stands for; a call with a symbolic dimension
     (``bfloat16["b", 3, 576]``) is exported."""
     node = ast.parse(call, mode="eval").body
-    if getattr(node.func, "id", None) in ("layer_prefill", "layer_decode"):  # config fields and params_config={...} are literals
+    if getattr(node.func, "id", None) in LAYER_CALLS:  # config fields and params_config={...} are literals
         kwargs = {k.arg: ast.literal_eval(k.value) if k.arg in LAYER_LITERALS else value(k.value) for k in node.keywords}
     else:
         kwargs = {k.arg: value(k.value) for k in node.keywords}
@@ -171,12 +173,15 @@ def callables(call: str) -> list:
     if name in FORMATS:
         a = dict(base(name), **kwargs)
         return [(impl.__name__, functools.partial(invoke, impl, name, a)) for impl in (jax_kimi_mla, reference)]
-    if name in ("layer_prefill", "layer_decode"):
-        step = layer.prefill if name == "layer_prefill" else layer.decode
+    if name in LAYER_CALLS:
         changes = {k: kwargs.pop(k) for k in list(kwargs) if k in LAYER_LITERALS and k != "params_config"}
         params_config = kwargs.pop("params_config", {})
         a = dict(layer_base(name, tuple(sorted(params_config.items()))), **kwargs)
         a["config"] = layer.MLAConfig(**{**LAYER_CONFIG, **changes})
+        if name == "layer_scan":
+            step = functools.partial(layer.prefill, config=a["config"])
+            return [(name, lambda: layer.scan_layers(step, a["params"], a["x"], a["kv_cache"], a["positions"], a["slot_mapping"]))]
+        step = layer.prefill if name == "layer_prefill" else layer.decode
         return [(name, lambda: step(**a))]
     fn = debug.check_inputs if name == "check_inputs" else getattr(jax_kimi_mla, name)
     return [(name, lambda: fn(**kwargs))]
