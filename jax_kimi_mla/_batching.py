@@ -8,14 +8,19 @@ batch axis is at the front of every batched operand (jax's custom_vmap puts it t
   [V, ..., num_blocks, block_size, W], which the epilogues write in place (its rows addressed as
   one range): a valid slot s of element v (0 <= s < rows, the rows of one element's cache)
   becomes s + v * rows, any other slot -1 (skipped, as it was). An unbatched cache is broadcast
-  first (each element updates its own copy, as vmap means).
+  first (each element updates its own copy, as vmap means). Prefill's q, rotated in place with
+  RoPE, is passed as [V, T, H, 192] (not reshaped, so not copied).
 - **mla_decode_attention.** Element v's sequences follow element v - 1's. A batched cache is read
   as one of V * num_blocks blocks (a free reshape), and element v's block ids in [0, num_blocks)
   are offset by v * num_blocks, any other id -1 (masked, as it was).
 
+- **gather_mla_cache.** Element v's sequences follow element v - 1's, and its num_tokens rows
+  are rows [v * num_tokens, (v + 1) * num_tokens) of one output: its lengths are cut where its
+  rows end (the rows the call would drop), and a sequence of masked tokens (zero rows, as the call
+  writes past its total) fills the rest. A batched cache is read as for the attention.
+
 A batched cos/sin table or per-tensor scale is not one call's operand, so those batches loop, as
-does ``gather_mla_cache`` (its output packs the sequences of all elements back to back), and any
-fold whose offsets would not fit the index dtype.
+does any fold whose offsets would not fit the index dtype.
 """
 
 from __future__ import annotations
@@ -50,21 +55,20 @@ def _offset_ids(ids, count: int, size: int):
     return jnp.where((ids >= 0) & (ids < count), ids + offsets, -1)
 
 
-def _unfold(size: int, keep=()):
-    """Results [V * n, ...] -> [V, n, ...], except those at the indices ``keep`` (already
-    batched) and scratch results (None)."""
+def _unfold(size: int, result_shapes, keep=()):
+    """The folded call's results -> [V, ...] of each one call's result, except those at the
+    indices ``keep`` (already batched in front) and scratch results (None)."""
 
     def unfold(outs):
         return tuple(
-            o if o is None or j in keep else o.reshape(size, o.shape[0] // size, *o.shape[1:])
-            for j, o in enumerate(outs)
+            o if o is None or j in keep else o.reshape(size, *r.shape) for j, (o, r) in enumerate(zip(outs, result_shapes))
         )
 
     return unfold
 
 
 def _scaled(result_shapes, size: int, keep=()):
-    """The folded call's result shapes: the first dimension times V (the cache at ``keep``: V in
+    """The folded call's result shapes: the first dimension times V (those at ``keep``: V in
     front)."""
     return [
         jax.ShapeDtypeStruct((size, *r.shape) if j in keep else (size * r.shape[0], *r.shape[1:]), r.dtype)
@@ -73,24 +77,31 @@ def _scaled(result_shapes, size: int, keep=()):
 
 
 def epilogue(e: Epilogue):
-    """The fold of an epilogue target. Its operands: ``e.inputs`` (the cache among them), positions,
-    cos_sin_cache, the scales; every input but the cache, and positions, is per token."""
-    n_inputs, cache, slots = len(e.inputs), e.cache_input, e.inputs.index("slot_mapping")
-    per_token = [i for i in range(n_inputs + 1) if i not in (cache, slots)]
+    """The fold of an epilogue target. Its operands: ``e.inputs``, positions, cos_sin_cache, the
+    scales. What the call updates in place (the cache, and prefill's q where RoPE rotates it) keeps
+    the batch in front: a reshaped operand would be copied before an in-place call (the handler
+    takes a stacked cache, and a per-head q by its element count). The other inputs, and positions,
+    are per token: flattened."""
+    n_inputs, slots = len(e.inputs), e.inputs.index("slot_mapping")
+    in_place = [name for name in e.outputs if name in e.inputs]
+    front = [e.inputs.index(name) for name in in_place]
+    keep = [e.outputs.index(name) for name in in_place]
+    per_token = [i for i in range(n_inputs + 1) if i not in front and i != slots]
 
     def fold(size, batched, operands, result_shapes, attrs):
         if any(batched[n_inputs + 1 :]):  # tables or scales that differ by element
             return None
-        stack = _lead(operands[cache], batched[cache], size)
-        slot_ids = _offset_ids(_lead(operands[slots], batched[slots], size), math.prod(stack.shape[1:-1]), size)
+        folded = list(operands)
+        for i in front:
+            folded[i] = _lead(operands[i], batched[i], size)
+        cache = folded[e.cache_input]
+        slot_ids = _offset_ids(_lead(operands[slots], batched[slots], size), math.prod(cache.shape[1:-1]), size)
         if slot_ids is None:
             return None
-        folded = list(operands)
-        folded[cache], folded[slots] = stack, slot_ids.reshape(-1)
+        folded[slots] = slot_ids.reshape(-1)
         for i in per_token:  # stand-ins of no elements ([0]) stay of none
             folded[i] = _flat(_lead(operands[i], batched[i], size))
-        keep = (e.cache_output,)
-        return folded, _scaled(result_shapes, size, keep), attrs, _unfold(size, keep)
+        return folded, _scaled(result_shapes, size, keep), attrs, _unfold(size, result_shapes, keep)
 
     return fold
 
@@ -109,4 +120,29 @@ def decode_attention(size, batched, operands, result_shapes, attrs):
             return None
         cache = _flat(cache)
     folded = [_flat(_lead(q, batched[0], size)), cache, _flat(tables), _flat(_lead(lens, batched[3], size)), *operands[4:]]
-    return folded, _scaled(result_shapes, size), attrs, _unfold(size)
+    return folded, _scaled(result_shapes, size), attrs, _unfold(size, result_shapes)
+
+
+def gather_cache(size, batched, operands, result_shapes, attrs):
+    """The fold of gather_mla_cache. Operands: kv_cache [N, bs, W], block_tables [B, m],
+    context_lens [B], cache_scale_inv; result: [num_tokens, 576]."""
+    cache, tables, lens = operands[:3]
+    if batched[3]:
+        return None
+    n, block_size = result_shapes[0].shape[0], cache.shape[-2]
+    tables, lens = _lead(tables, batched[1], size), _lead(lens, batched[2], size)
+    if batched[0]:
+        tables = _offset_ids(tables, cache.shape[1], size)
+        if tables is None:
+            return None
+        cache = _flat(cache)
+    # Each element fills exactly its n rows: lengths clamped (as the call does) and cut at n ...
+    lens = jnp.clip(lens, 0, tables.shape[-1] * block_size)
+    starts = jnp.cumsum(lens, axis=1) - lens
+    lens = jnp.clip(n - starts, 0, lens)
+    # ... then one sequence of masked tokens (ids -1: zero rows) of the rows left.
+    width = max(tables.shape[-1], -(-n // block_size))
+    tables = jnp.pad(tables, ((0, 0), (0, 1), (0, width - tables.shape[-1])), constant_values=-1)
+    lens = jnp.concatenate([lens, (n - lens.sum(axis=1, keepdims=True)).astype(lens.dtype)], axis=1)
+    folded = [cache, _flat(tables), _flat(lens), *operands[3:]]
+    return folded, _scaled(result_shapes, size), attrs, _unfold(size, result_shapes)

@@ -45,7 +45,8 @@ class Rule:
 
 def _epilogue_rule(e) -> Rule:
     def dims(names, shapes):
-        return [(None, HEADS, None) if n in _PER_HEAD and len(s) == 3 else (None,) * len(s) for n, s in zip(names, shapes)]
+        # Per-head arrays are [T, H, width], or [V, T, H, width] (prefill's q under jax.vmap).
+        return [(None,) * (len(s) - 2) + (HEADS, None) if n in _PER_HEAD and len(s) >= 3 else (None,) * len(s) for n, s in zip(names, shapes)]
 
     operands = (*e.inputs, "positions", "cos_sin_cache", *e.scales)
     return Rule(lambda shapes: dims(operands, shapes), lambda shapes: dims(e.outputs, shapes))

@@ -396,5 +396,6 @@ def gather_mla_cache(kv_cache, block_tables, context_lens, *, num_tokens=None, d
         [jax.ShapeDtypeStruct((c.num_tokens, ENTRY), c.out_dtype)],
         {},
         {},
+        fold=_batching.gather_cache,
     )
     return out

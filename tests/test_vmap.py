@@ -1,6 +1,6 @@
 """jax.vmap over the ops (jax_kimi_mla/_batching.py): a batch of epilogue calls is one call on the
-stacked caches, in place; a batch of mla_decode_attention calls is one call over the batch's
-sequences; what cannot be folded (per-element scales or cos/sin tables, gather_mla_cache) runs as a
+stacked caches, in place; a batch of mla_decode_attention or gather_mla_cache calls is one call over
+the batch's sequences; what cannot be folded (per-element scales or cos/sin tables) runs as a
 loop. Each is checked bit for bit against the calls one by one, on fresh random data, with slots
 and block ids that lie just past one element's cache (they must not reach the next element's)."""
 
@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import test_decode_attention as attention
 from _util import FORMATS, OUTPUTS, Case, assert_bits_equal, check_untouched_rows, invoke, jitted, make_case, put, to_numpy
-from test_copy_traps import aliased_parameters, compiled, copies, parameters_of_shape
+from test_copy_traps import aliased_parameters, compiled, copies, copy_fusions, parameters_of_shape
 
 import jax_kimi_mla
 from jax_kimi_mla import _batching
+from jax_kimi_mla.formats import EPILOGUES
 
 V = 3
 SHARED = ("cos_sin_cache", "q_scale_inv", "k_scale_inv", "v_scale_inv", "cache_scale_inv")
@@ -65,6 +66,50 @@ def test_epilogue_batch_is_one_call(backend, fmt, rope):
         assert not copies(hlo, [stack]), "the stacked cache is copied"
 
 
+@pytest.mark.parametrize("rope", [False, True], ids=["nope", "rope"])
+@pytest.mark.parametrize("fmt", ["prefill_bf16", "prefill_fp8_ds_mla"])
+def test_vmapped_standalone_prefill_step_copies_nothing(fmt, rope):
+    """The op docstring's standalone prefill step (q and the cache donated, q returned first), under
+    jax.vmap: q, rotated in place with RoPE, reaches the call with the batch in front, so neither
+    q nor the stacked cache is copied."""
+    _, batched, shared = epilogue_batch(fmt, rope)
+    op = getattr(jax_kimi_mla, EPILOGUES[fmt].op)
+    rope_kw = {"positions": batched.pop("positions"), "cos_sin_cache": shared["cos_sin_cache"]} if rope else {}
+
+    def prefill_epilogue(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, rope_kw):
+        k, q, kv_cache = op(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, **rope_kw)
+        return q, k, kv_cache
+
+    axes = {"positions": 0, "cos_sin_cache": None} if rope else {}
+    step = jax.jit(jax.vmap(prefill_epilogue, in_axes=(0, 0, 0, 0, 0, 0, axes)), donate_argnums=(0, 4))
+    args = [batched[n] for n in ("q", "k_nope", "k_pe", "kv_c_normed", "kv_cache", "slot_mapping")]
+    hlo = compiled(step, *args, rope_kw)
+    assert one_call(hlo)
+    q, stack = batched["q"].shape, batched["kv_cache"].shape
+    watched = [q, (q[0] * q[1], *q[2:]), stack]
+    assert not copies(hlo, watched) and not copy_fusions(hlo, watched), "q or the cache is copied"
+    assert set(parameters_of_shape(hlo, stack)) <= aliased_parameters(hlo)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_batches_of_no_elements(backend, fmt):
+    """vmap over 0 elements: outputs of 0 elements, each of one call's shape (the readers too)."""
+    cases, batched, shared = epilogue_batch(fmt)
+    empty = {k: v[:0] for k, v in batched.items()}
+    one = jax.eval_shape(lambda b, s: invoke(jax_kimi_mla, fmt, {**b, **s}), cases[0], shared)
+    got = vmapped(fmt)(put(empty, backend), put(shared, backend))
+    assert [g.shape for g in got] == [(0, *o.shape) for o in one]
+
+
+def test_reader_batches_of_no_elements(backend):
+    cases, _ = attention_batch("bf16", "bfloat16", 2)
+    q, cache, tables, lens = (np.stack([a[k] for a in cases])[:0] for k in ("mqa_q", "kv_cache", "block_tables", "context_lens"))
+    device = jax.devices(backend)[0]
+    out, lse = jax.vmap(lambda *a: jax_kimi_mla.mla_decode_attention(*a, softmax_scale=0.1, return_lse=True))(
+        *jax.device_put((q, cache, tables, lens), device))
+    assert out.shape == (0, *q.shape[1:-1], 512) and lse.shape == (0, *q.shape[1:-1])
+    rows = jax.vmap(lambda *a: jax_kimi_mla.gather_mla_cache(*a, num_tokens=50))(*jax.device_put((cache, tables, lens), device))
+    assert rows.shape == (0, 50, 576)
 @pytest.mark.parametrize("fmt", ["prefill_fp8_ds_mla", "decode_fp8"])
 def test_epilogue_batch_of_int64_slots(backend, fmt):
     """int64 slots (x64 on), among them values congruent to valid rows modulo 2^32."""
@@ -162,16 +207,29 @@ def test_decode_attention_batch_is_one_call(backend, fmt, q_dtype, q_tokens):
             assert one_call(compiled(step, batched, arrays))
 
 
-def test_gather_batch_loops(backend):
-    """gather_mla_cache packs all sequences of a call back to back: a batch of calls loops."""
-    cases, _ = attention_batch("bf16", "bfloat16", 1)
-    batched = {k: np.stack([a[k] for a in cases]) for k in ("kv_cache", "block_tables", "context_lens")}
-    op = jax.jit(jax.vmap(lambda c, t, n: jax_kimi_mla.gather_mla_cache(c, t, n, num_tokens=128)))
-    got = np.asarray(op(*put(list(batched.values()), backend)).astype(jnp.float32))
-    for v, a in enumerate(cases):
-        want = jax.jit(lambda c, t, n: jax_kimi_mla.gather_mla_cache(c, t, n, num_tokens=128))(
-            *put([a["kv_cache"], a["block_tables"], a["context_lens"]], backend))
-        assert_bits_equal(got[v], np.asarray(want.astype(jnp.float32)), f"gather vmap [{v}]")
+@pytest.mark.parametrize("num_tokens", [None, 40, 128, 300])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_ds_mla"])
+def test_gather_batch_is_one_call(backend, fmt, num_tokens):
+    """Each element's num_tokens rows as its own call packs them: rows past an element's total are
+    zeros, rows past num_tokens dropped (40: every element cut; 300: zeros after each)."""
+    cases, kw = attention_batch(fmt, "bfloat16", 1)
+    static = {"ds_mla": kw.get("ds_mla", False), "cache_scale_inv": kw.get("cache_scale_inv"), "num_tokens": num_tokens}
+
+    def op(c, t, n):
+        return jax_kimi_mla.gather_mla_cache(c, t, n, **static)
+
+    device = jax.devices(backend)[0]
+    for cache_batched in (True, False):
+        caches = np.stack([a["kv_cache"] for a in cases]) if cache_batched else cases[0]["kv_cache"]
+        tables, lens = np.stack([a["block_tables"] for a in cases]), np.stack([a["context_lens"] for a in cases])
+        step = jax.jit(jax.vmap(op, in_axes=(0 if cache_batched else None, 0, 0)))
+        got = np.asarray(step(*jax.device_put((caches, tables, lens), device)).astype(jnp.float32))
+        for v, a in enumerate(cases):
+            cache = a["kv_cache"] if cache_batched else cases[0]["kv_cache"]
+            want = jax.jit(op)(*jax.device_put((cache, a["block_tables"], a["context_lens"]), device))
+            assert_bits_equal(got[v], np.asarray(want.astype(jnp.float32)), f"gather vmap (cache batched: {cache_batched}) [{v}]")
+        if backend == "cpu":
+            assert one_call(compiled(step, caches, tables, lens))
 
 
 def test_offsets_that_overflow_the_index_dtype_loop_or_widen():
