@@ -13,7 +13,6 @@ batch axis is at the front of every batched operand (jax's custom_vmap puts it t
 - **mla_decode_attention.** Element v's sequences follow element v - 1's. A batched cache is read
   as one of V * num_blocks blocks (a free reshape), and element v's block ids in [0, num_blocks)
   are offset by v * num_blocks, any other id -1 (masked, as it was).
-
 - **gather_mla_cache.** Element v's sequences follow element v - 1's, and its num_tokens rows
   are rows [v * num_tokens, (v + 1) * num_tokens) of one output: its lengths are cut where its
   rows end (the rows the call would drop), and a sequence of masked tokens (zero rows, as the call
@@ -137,7 +136,12 @@ def gather_cache(size, batched, operands, result_shapes, attrs):
             return None
         cache = _flat(cache)
     # Each element fills exactly its n rows: lengths clamped (as the call does) and cut at n ...
-    lens = jnp.clip(lens, 0, tables.shape[-1] * block_size)
+    longest = min(tables.shape[-1] * block_size, n)
+    if tables.shape[1] * longest > jnp.iinfo(lens.dtype).max:  # their running sums would wrap
+        if not jax.config.jax_enable_x64:
+            return None
+        lens = lens.astype(jnp.int64)
+    lens = jnp.clip(lens, 0, longest)
     starts = jnp.cumsum(lens, axis=1) - lens
     lens = jnp.clip(n - starts, 0, lens)
     # ... then one sequence of masked tokens (ids -1: zero rows) of the rows left.
