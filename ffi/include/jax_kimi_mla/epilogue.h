@@ -43,7 +43,7 @@ struct Epilogue {
   // (padded rows; the padding is never written).
   RowSpec cache;
   CacheFormat cache_format = CacheFormat::kBf16;
-  int64_t cache_rows = 0;  // num_blocks * block_size
+  int64_t cache_rows = 0;  // num_blocks * block_size (times any stack dimensions in front)
   RowSpec head_rows[3];
   int num_head_rows = 0;
   const void* slots = nullptr;
