@@ -546,6 +546,9 @@ def layer_index(layer, kv_cache):
     int in [0, layers), or an int32/int64 scalar array, which may be traced) with a stacked
     [layers, N, bs, W] one. A traced index outside [0, layers) writes and reads nothing."""
     ndim = len(jnp.shape(kv_cache))
+    if ndim not in (3, 4):
+        raise ValueError(f"kv_cache must be [num_blocks, block_size, W] or a stack of layers [layers, num_blocks, block_size, W], "
+                         f"got shape {tuple(jnp.shape(kv_cache))}")
     if layer is None:
         if ndim == 4:
             raise ValueError(f"kv_cache is a stack of layers {tuple(jnp.shape(kv_cache))}: pass layer= (this layer's index)")
