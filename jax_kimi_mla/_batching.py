@@ -29,7 +29,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from .formats import Epilogue
+from .formats import Epilogue, shift_ids
 
 
 def _lead(x, batched: bool, size: int):
@@ -50,8 +50,7 @@ def _offset_ids(ids, count: int, size: int):
         if not jax.config.jax_enable_x64:
             return None
         ids = ids.astype(jnp.int64)
-    offsets = (count * jnp.arange(size, dtype=ids.dtype)).reshape((size,) + (1,) * (ids.ndim - 1))
-    return jnp.where((ids >= 0) & (ids < count), ids + offsets, -1)
+    return shift_ids(ids, count, (count * jnp.arange(size, dtype=ids.dtype)).reshape((size,) + (1,) * (ids.ndim - 1)))
 
 
 def _unfold(size: int, result_shapes, keep=()):

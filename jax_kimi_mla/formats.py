@@ -107,3 +107,10 @@ FFI_TARGETS = tuple(e.target for e in EPILOGUES.values()) + READERS
 # the head axis that tensor parallelism shards (_partition's rules, sharding's shard_map specs).
 PER_HEAD_INPUTS = frozenset({"q", "k_nope", "v", "ql_nope", "q_pe"})
 PER_HEAD_OUTPUTS = frozenset({"q", "k", "q_fp8", "k_fp8", "v_fp8", "mqa_q"})
+
+
+def shift_ids(ids, count: int, first):
+    """Ids into one range of ``count`` items (a cache's slots, or its block ids) moved to start at
+    ``first`` in a larger range (a stack of caches); an id outside [0, count) becomes -1, which
+    the ops skip or mask, instead of reaching into another cache of the stack."""
+    return jnp.where((ids >= 0) & (ids < count), ids + first, -1)

@@ -61,7 +61,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _checks, ops, prefill_attention
 from ._checks import columns
-from .formats import CACHE_FORMATS, ENTRY, L, P, R, V
+from .formats import CACHE_FORMATS, ENTRY, L, P, R, V, shift_ids
 from .numerics import E4M3_MAX, rope
 
 SOFTMAX_SCALE = 1.0 / math.sqrt(P + R)
@@ -327,11 +327,6 @@ def _flat(cache):
     return cache.reshape(-1, *cache.shape[-2:])
 
 
-def _cache_slots(slot_mapping, base, rows):
-    """Slots of this layer in the stacked view; invalid ones stay invalid rather than reaching
-    into another layer."""
-    return jnp.where((slot_mapping >= 0) & (slot_mapping < rows), slot_mapping + base, -1)
-
 
 def _blockwise_attention(q, k, v, q_seq, q_pos, k_seq, k_pos, k_valid, scale, block):
     """softmax(q k^T * scale) v where key j is seen by query i when ``k_valid[j]``, both belong to
@@ -499,7 +494,7 @@ def prefill(
         x, positions, slot_mapping, cu_seqlens, block_table, context_len, context_tokens, config.hidden_size, config.dtype)
     fmt, act = config.cache_format, config.dtype
     base, rows = _layer_rows(kv_cache, layer)
-    slots = _cache_slots(slot_mapping, base, rows)
+    slots = shift_ids(slot_mapping, rows, base)
     rope_kw = _rope_kwargs(positions, cos_sin_cache, config)
     T, H = x.shape[0], config.num_heads
     if cu_seqlens is None:  # one sequence: S = 1
@@ -664,12 +659,8 @@ def _gated(o, x, g_proj):
 
 
 def _layer_tables(block_tables, layer, num_blocks):
-    """Block ids of this layer in the stacked view [layers * N, bs, W]; ids outside [0, N) become
-    -1, which the attention masks out, rather than reaching into another layer."""
-    if layer is None:
-        return block_tables
-    valid = (block_tables >= 0) & (block_tables < num_blocks)
-    return jnp.where(valid, block_tables + layer * num_blocks, -1)
+    """Block ids of this layer in the stacked view [layers * N, bs, W]."""
+    return block_tables if layer is None else shift_ids(block_tables, num_blocks, layer * num_blocks)
 
 
 @_auto_axes_under_explicit_meshes("x", "kv_cache")
@@ -713,7 +704,7 @@ def decode(params, x, positions, slot_mapping, block_tables, context_lens, kv_ca
         kv_c_normed,
         columns(kv_a, L),
         kv_cache,
-        _cache_slots(slot_mapping.reshape(B * S), base, rows),
+        shift_ids(slot_mapping.reshape(B * S), rows, base),
         ds_mla=fmt == "fp8_ds_mla",
         **kw,
         **scales,
