@@ -227,7 +227,8 @@ def parts(case: Case, sizes: Sizes, impl: str) -> dict:
     chosen = prefill_attention.choose(impl, packed=case.seqs > 1, context=bool(case.context))
     q, k, v, cu = bf16(t, h, P + R), bf16(t, h, P + R), bf16(t, h, V), jnp.asarray(lay["cu"])
     if chosen == "blockwise":
-        attn = jax.jit(lambda q, k, v, cu, lens, ck, cv: layer._attention_blockwise(q, k, v, cu, lens, ck, cv, config))
+        attn = jax.jit(lambda q, k, v, cu, lens, ck, cv: prefill_attention.blockwise_attention(
+            q, k, v, cu, lens, ck, cv, scale=config.attention_scale, block=config.attention_block))
         lens = ctx[2] if ctx else jnp.zeros(case.seqs, jnp.int32)
         out[f"attention ({chosen})"] = (attn, [q, k, v, cu, lens, *(ctx[:2] if ctx else (None, None))], {})
     else:

@@ -327,52 +327,6 @@ def _flat(cache):
     return cache.reshape(-1, *cache.shape[-2:])
 
 
-
-def _blockwise_attention(q, k, v, q_seq, q_pos, k_seq, k_pos, k_valid, scale, block):
-    """softmax(q k^T * scale) v where key j is seen by query i when ``k_valid[j]``, both belong to
-    one sequence (``k_seq[j] == q_seq[i]``) and ``k_pos[j] <= q_pos[i]``, computed one (query
-    block, key block) tile at a time with an online softmax: memory O(H x block^2), never the
-    [H, T, S] score matrix. A query that sees no key gets zeros.
-
-    q [T, H, D], k [S, H, D], v [S, H, Dv] (float32); sequence ids and positions int32 [T] / [S];
-    -> [T, H, Dv].
-    """
-    T, H, _ = q.shape
-    S, Dv = k.shape[0], v.shape[-1]
-
-    def blocks(x, n, fill):  # [n, ...] -> [ceil(n / block), block, ...], padded with fill
-        pad = -n % block
-        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
-        return x.reshape(-1, block, *x.shape[1:])
-
-    kb, vb = blocks(k, S, 0.0), blocks(v, S, 0.0)
-    kseq, kpos, kval = blocks(k_seq, S, -1), blocks(k_pos, S, 0), blocks(k_valid, S, False)
-
-    def query_block(args):
-        qi, qseq, qpos = args  # [block, H, D], [block], [block]
-
-        def key_block(carry, keys):
-            m, total, acc = carry  # [H, block], [H, block], [H, block, Dv]
-            kj, vj, ks, kp, kv = keys
-            s = jnp.einsum("qhd,khd->hqk", qi, kj) * scale
-            seen = kv[None, :] & (ks[None, :] == qseq[:, None]) & (kp[None, :] <= qpos[:, None])
-            s = jnp.where(seen[None], s, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(s, -1))
-            shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # all masked so far: no -inf - -inf
-            p = jnp.exp(s - shift[..., None])
-            alpha = jnp.exp(m - shift)
-            total = total * alpha + jnp.sum(p, -1)
-            acc = acc * alpha[..., None] + jnp.einsum("hqk,khv->hqv", p, vj)
-            return (m_new, total, acc), None
-
-        init = (jnp.full((H, block), -jnp.inf), jnp.zeros((H, block)), jnp.zeros((H, block, Dv)))
-        (_, total, acc), _ = jax.lax.scan(key_block, init, (kb, vb, kseq, kpos, kval))
-        return (acc / jnp.where(total > 0, total, 1.0)[..., None]).transpose(1, 0, 2)
-
-    out = jax.lax.map(query_block, (blocks(q, T, 0.0), blocks(q_seq, T, -2), blocks(q_pos, T, -1)))
-    return out.reshape(-1, H, Dv)[:T]
-
-
 # Prefill's head groups when MLAConfig.head_groups is None: all heads at once if the estimated
 # temporaries stay within UNGROUPED_TEMP_FRACTION of what the step holds anyway (its weights, x
 # and its output; the cache is left out, so that a large cache does not switch grouping off),
@@ -557,7 +511,8 @@ def prefill(
 
         def blockwise(q, k, v, ctx):
             ctx_k, ctx_v = (None, None) if ctx is None else context_kv(i, *ctx)
-            return _attention_blockwise(q, k, v, cu, lens, ctx_k, ctx_v, config).astype(act)
+            return prefill_attention.blockwise_attention(
+                q, k, v, cu, lens, ctx_k, ctx_v, scale=config.attention_scale, block=config.attention_block).astype(act)
 
         def cudnn(q, k, v, ctx):
             # The context's k and v are made after the chunk's own attention (ctx_kv), so that
@@ -622,27 +577,6 @@ def prefill(
 
     out = jax.lax.fori_loop(1, groups, group, _proj("thv,hvd->td", o, o_proj(0)))
     return out, cache
-
-
-def _attention_blockwise(q, k, v, cu, lens, ctx_k, ctx_v, config):
-    """The blockwise attention of :func:`prefill` (float32): token i of x is token
-    lens[s] + (i - cu[s]) of its sequence s; padding (i >= cu[S]) is a sequence of its own, S, which
-    no real token sees; cached tokens come first, packed back to back."""
-    T = q.shape[0]
-    q_seq, local = prefill_attention.segments(cu, T)
-    q_pos = jnp.concatenate([lens, jnp.zeros(1, jnp.int32)])[q_seq] + local
-    q, k, v = q.astype(F32), k.astype(F32), v.astype(F32)
-    k_seq, k_pos, k_valid = q_seq, q_pos, jnp.ones((T,), bool)
-    if ctx_k is not None:
-        k = jnp.concatenate([ctx_k.astype(F32), k])
-        v = jnp.concatenate([ctx_v.astype(F32), v])
-        r = jnp.arange(ctx_k.shape[0], dtype=jnp.int32)
-        ends = jnp.cumsum(lens)
-        ctx_seq = jnp.searchsorted(ends, r, side="right").astype(jnp.int32)
-        ctx_pos = r - jnp.concatenate([jnp.zeros(1, jnp.int32), ends])[ctx_seq]
-        k_seq, k_pos = jnp.concatenate([ctx_seq, k_seq]), jnp.concatenate([ctx_pos, k_pos])
-        k_valid = jnp.concatenate([r < ends[-1], k_valid])
-    return _blockwise_attention(q, k, v, q_seq, q_pos, k_seq, k_pos, k_valid, config.attention_scale, config.attention_block)
 
 
 def _output(params, x, o, config):

@@ -1,10 +1,10 @@
-"""The prefill attention of the MLA layer: which implementation runs it, and the cuDNN one.
+"""The prefill attention of the MLA layer: which implementation runs it, and both implementations.
 
 Prefill attends per head with q, k [.., 192] and v [.., 128] (MLA's non-absorbed form), causally
 within each packed sequence, after that sequence's cached context. Two implementations:
 
 - ``"blockwise"``: an online-softmax loop over (query tile, key tile) pairs in jnp
-  (``layer._blockwise_attention``), on every backend; memory O(T x block).
+  (:func:`blockwise_attention`), on every backend; memory O(T x block).
 - ``"cudnn"``: cuDNN's flash attention through jax, on a Hopper-or-later GPU with cuDNN >= 9.10
   (what cuDNN needs for a v head dim that differs from q's). ``"auto"`` picks it where the default device runs it
   (and the layer then keeps the blockwise loop for a step lowered for the CPU) and the blockwise
@@ -159,6 +159,75 @@ def _merge(o1, lse1, o2, lse2):
     o1 = jnp.where((w1 > 0)[..., None], o1, 0.0)
     o2 = jnp.where((w2 > 0)[..., None], o2, 0.0)
     return (o1 * w1[..., None] + o2 * w2[..., None]) / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+def blockwise_attention(q, k, v, cu, lens, ctx_k=None, ctx_v=None, *, scale, block):
+    """Prefill attention in jnp, on any backend (float32; memory O(H x block^2)): q, k [T, H, 192],
+    v [T, H, 128], cu int32 [S + 1], lens int32 [S] the cached tokens of each sequence, with their
+    ctx_k [C, H, 192], ctx_v [C, H, 128] packed back to back (or None). Token i of the chunk is
+    token lens[s] + (i - cu[s]) of its sequence s and sees that sequence's context and its chunk
+    up to itself; padding (i >= cu[S]) is a sequence of its own, S, which no real token sees.
+    -> [T, H, 128] float32."""
+    T = q.shape[0]
+    q_seq, local = segments(cu, T)
+    q_pos = jnp.concatenate([lens, jnp.zeros(1, jnp.int32)])[q_seq] + local
+    q, k, v = q.astype(F32), k.astype(F32), v.astype(F32)
+    k_seq, k_pos, k_valid = q_seq, q_pos, jnp.ones((T,), bool)
+    if ctx_k is not None:
+        k = jnp.concatenate([ctx_k.astype(F32), k])
+        v = jnp.concatenate([ctx_v.astype(F32), v])
+        r = jnp.arange(ctx_k.shape[0], dtype=jnp.int32)
+        ends = jnp.cumsum(lens)
+        ctx_seq = jnp.searchsorted(ends, r, side="right").astype(jnp.int32)
+        ctx_pos = r - jnp.concatenate([jnp.zeros(1, jnp.int32), ends])[ctx_seq]
+        k_seq, k_pos = jnp.concatenate([ctx_seq, k_seq]), jnp.concatenate([ctx_pos, k_pos])
+        k_valid = jnp.concatenate([r < ends[-1], k_valid])
+    return _online_softmax(q, k, v, q_seq, q_pos, k_seq, k_pos, k_valid, scale, block)
+
+
+def _online_softmax(q, k, v, q_seq, q_pos, k_seq, k_pos, k_valid, scale, block):
+    """softmax(q k^T * scale) v where key j is seen by query i when ``k_valid[j]``, both belong to
+    one sequence (``k_seq[j] == q_seq[i]``) and ``k_pos[j] <= q_pos[i]``, computed one (query
+    block, key block) tile at a time with an online softmax: memory O(H x block^2), never the
+    [H, T, S] score matrix. A query that sees no key gets zeros.
+
+    q [T, H, D], k [S, H, D], v [S, H, Dv] (float32); sequence ids and positions int32 [T] / [S];
+    -> [T, H, Dv].
+    """
+    T, H, _ = q.shape
+    S, Dv = k.shape[0], v.shape[-1]
+
+    def blocks(x, n, fill):  # [n, ...] -> [ceil(n / block), block, ...], padded with fill
+        pad = -n % block
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+        return x.reshape(-1, block, *x.shape[1:])
+
+    kb, vb = blocks(k, S, 0.0), blocks(v, S, 0.0)
+    kseq, kpos, kval = blocks(k_seq, S, -1), blocks(k_pos, S, 0), blocks(k_valid, S, False)
+
+    def query_block(args):
+        qi, qseq, qpos = args  # [block, H, D], [block], [block]
+
+        def key_block(carry, keys):
+            m, total, acc = carry  # [H, block], [H, block], [H, block, Dv]
+            kj, vj, ks, kp, kv = keys
+            s = jnp.einsum("qhd,khd->hqk", qi, kj) * scale
+            seen = kv[None, :] & (ks[None, :] == qseq[:, None]) & (kp[None, :] <= qpos[:, None])
+            s = jnp.where(seen[None], s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, -1))
+            shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # all masked so far: no -inf - -inf
+            p = jnp.exp(s - shift[..., None])
+            alpha = jnp.exp(m - shift)
+            total = total * alpha + jnp.sum(p, -1)
+            acc = acc * alpha[..., None] + jnp.einsum("hqk,khv->hqv", p, vj)
+            return (m_new, total, acc), None
+
+        init = (jnp.full((H, block), -jnp.inf), jnp.zeros((H, block)), jnp.zeros((H, block, Dv)))
+        (_, total, acc), _ = jax.lax.scan(key_block, init, (kb, vb, kseq, kpos, kval))
+        return (acc / jnp.where(total > 0, total, 1.0)[..., None]).transpose(1, 0, 2)
+
+    out = jax.lax.map(query_block, (blocks(q, T, 0.0), blocks(q_seq, T, -2), blocks(q_pos, T, -1)))
+    return out.reshape(-1, H, Dv)[:T]
 
 
 def cudnn_attention(q, k, v, cu, *, scale, ctx_k=None, ctx_v=None, ctx_lens=None, api="cudnn", ctx_kv=None):

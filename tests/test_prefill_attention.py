@@ -348,7 +348,8 @@ def test_cudnn_matches_blockwise_on_long_ragged_batches():
     config = ml.MLAConfig(num_heads=H, attention_block=128)
     got = jax.jit(functools.partial(pa.cudnn_attention, scale=config.attention_scale))(
         q, k, v, jnp.asarray(cu), ctx_k=ctx_k, ctx_v=ctx_v, ctx_lens=lens)
-    want = jax.jit(functools.partial(ml._attention_blockwise, config=config))(q, k, v, jnp.asarray(cu), lens, ctx_k, ctx_v)
+    want = jax.jit(functools.partial(pa.blockwise_attention, scale=config.attention_scale, block=config.attention_block))(
+        q, k, v, jnp.asarray(cu), lens, ctx_k, ctx_v)
     n = int(cu[-1])
     np.testing.assert_allclose(np.asarray(got[:n], np.float32), np.asarray(want[:n]), rtol=0, atol=0.02)
     assert np.all(np.asarray(got[n:], np.float32) == 0)  # padding tokens
