@@ -45,6 +45,7 @@ import numpy as np
 
 import jax_kimi_mla
 from jax_kimi_mla import layer as mla
+from jax_kimi_mla.formats import CACHE_FORMATS
 
 
 class BlockAllocator:
@@ -195,7 +196,7 @@ class Server:
         self.context_rows = (max(args.prefill_budget, args.block_size), args.prefill_seqs * self.max_blocks * args.block_size)
         shapes = jax.eval_shape(lambda: self.params["layers"])
         self.layer_weight_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes)) // args.layers
-        self.entry_bytes = mla.CACHE_FORMATS[cache_format].entry_bytes()
+        self.entry_bytes = CACHE_FORMATS[cache_format].entry_bytes()
         # Per step kind: wall seconds, bytes one layer must move (the HBM floor's numerator), steps.
         self.timing = {kind: {"s": 0.0, "bytes": 0, "steps": 0} for kind in ("prefill", "decode")}
 
@@ -395,7 +396,7 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--q-lora-rank", type=int, default=1536)
     p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--cache-format", choices=(*mla.CACHE_FORMATS, "all"), default="bf16", help="'all': each format in turn")
+    p.add_argument("--cache-format", choices=(*CACHE_FORMATS, "all"), default="bf16", help="'all': each format in turn")
     p.add_argument("--rope", action="store_true", help="GPT-J RoPE (Kimi-K3 itself runs NoPE)")
     p.add_argument("--attention-impl", choices=("auto", "cudnn", "blockwise"), default="auto",
                    help="prefill attention engine (docs/PREFILL.md): auto = cuDNN where it runs, else blockwise")
@@ -464,7 +465,7 @@ def main(argv=None):
     device = jax.devices()[0]
     bandwidth = copy_bandwidth(1 << 30 if device.platform == "gpu" else 1 << 26)
     print(f"{device.platform} ({device.device_kind}): copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
-    formats = tuple(mla.CACHE_FORMATS) if args.cache_format == "all" else (args.cache_format,)
+    formats = tuple(CACHE_FORMATS) if args.cache_format == "all" else (args.cache_format,)
     for cache_format in formats:
         serve_one_format(args, cache_format, bandwidth)
     print(f"all {len(formats)} cache format(s): PASS")

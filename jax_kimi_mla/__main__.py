@@ -54,12 +54,12 @@ TIMING_BUDGET_S = 0.25  # wall time spent timing each of the op and the referenc
 ROPE_ULPS = 1
 
 # (mantissa bits, smallest normal exponent) of the formats the outputs are rounded to.
-_FORMATS = {"bfloat16": (7, -126), "float16": (10, -14), "float8_e4m3fn": (3, -6)}
+_FLOAT_FORMATS = {"bfloat16": (7, -126), "float16": (10, -14), "float8_e4m3fn": (3, -6)}
 
 
 def _ulp(x, fmt: str):
     """One unit in the last place of |x| in ``fmt`` (the subnormal spacing near 0)."""
-    mantissa, min_exp = _FORMATS[fmt]
+    mantissa, min_exp = _FLOAT_FORMATS[fmt]
     _, exp = jnp.frexp(jnp.abs(x))
     exp = jnp.where(x == 0, min_exp, jnp.maximum(exp - 1, min_exp))
     return jnp.ldexp(jnp.float32(1), exp - mantissa)

@@ -211,7 +211,7 @@ class _Checker:
     def cache(self, x, fmt: CacheFormat, why: str = ""):
         return cache(x, fmt, self.act, why, stacked=True)
 
-    def rope(self, positions, cos_sin_cache, style="gptj"):
+    def rope(self, positions, cos_sin_cache, style):
         self.rope_style = rope_style(style)
         if (positions is None) != (cos_sin_cache is None):
             given, missing = ("positions", "cos_sin_cache") if cos_sin_cache is None else ("cos_sin_cache", "positions")
@@ -269,7 +269,7 @@ def fp8_prefill_scales(q_scale_inv, k_scale_inv, v_scale_inv, cache_scale_inv) -
     return [scale(n, s) for n, s in named]
 
 
-def prefill(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, *, cache_format, v=None, style="gptj"):
+def prefill(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos_sin_cache, *, cache_format, style, v=None):
     """Checks a prefill call; ``cache_format`` is a name of ``formats.CACHE_FORMATS``."""
     c = _Checker("q", q, P + R)
     args = dict(
@@ -286,7 +286,7 @@ def prefill(q, k_nope, k_pe, kv_c_normed, kv_cache, slot_mapping, positions, cos
     return c.done(positions is not None), args
 
 
-def decode(ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, ds_mla, q_scale_inv, cache_scale_inv, positions, cos_sin_cache, style="gptj"):
+def decode(ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, ds_mla, q_scale_inv, cache_scale_inv, positions, cos_sin_cache, style):
     """Checks a decode call and picks its cache format (a name of ``formats.CACHE_FORMATS``)."""
     c = _Checker("ql_nope", ql_nope, L, t="B")
     args = dict(
@@ -359,7 +359,7 @@ def reader_cache(kv_cache, fmt: CacheFormat, act, why: str):
 
 
 def decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale, ds_mla, q_scale_inv, cache_scale_inv, num_splits,
-                     return_lse=False) -> AttentionCall:
+                     return_lse) -> AttentionCall:
     """Checks an mla_decode_attention call and picks its cache format."""
     q = as_array("mqa_q", mqa_q)
     expect_dtype("mqa_q", q, (*ACT_DTYPES, FP8))

@@ -1,7 +1,7 @@
 """Loading the compiled handlers and calling them.
 
 Each backend module (``_cpu`` always, ``_cuda`` when it was built) exposes ``registrations()``:
-op name -> capsule. Both register under the same target name, so one ``ffi_call`` runs the CPU
+target name -> capsule. Both register under the same target name, so one ``ffi_call`` runs the CPU
 handler for CPU arrays and the CUDA kernel for GPU arrays.
 
 Target names carry an ABI version: an exported (``jax.export``) program stores only the name and
@@ -16,8 +16,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from . import _partition
-from .formats import EPILOGUES, READERS
-from .formats import FFI_TARGETS as OPS
+from .formats import EPILOGUES, FFI_TARGETS, READERS
 
 try:
     from . import _cpu
@@ -36,16 +35,16 @@ ABI_VERSION = 2
 COMPATIBLE_ABI_VERSIONS = (1,)
 
 
-def target_name(op: str, version: int = ABI_VERSION) -> str:
-    return f"jax_kimi_mla_{op}_v{version}"
+def target_name(target: str, version: int = ABI_VERSION) -> str:
+    return f"jax_kimi_mla_{target}_v{version}"
 
 
 def _register(module, platform: str) -> None:
     registrations = module.registrations()
-    assert tuple(registrations) == OPS, f"{module.__name__} registers {tuple(registrations)}"
-    for op, capsule in registrations.items():
+    assert tuple(registrations) == FFI_TARGETS, f"{module.__name__} registers {tuple(registrations)}"
+    for target, capsule in registrations.items():
         for version in (ABI_VERSION, *COMPATIBLE_ABI_VERSIONS):
-            jax.ffi.register_ffi_target(target_name(op, version), capsule, platform=platform)
+            jax.ffi.register_ffi_target(target_name(target, version), capsule, platform=platform)
 
 
 _register(_cpu, "cpu")
@@ -70,16 +69,16 @@ BUILD_CUDA_HINT = (
 # lowering (outside jax.export) says what to do instead of XLA's "no registered implementation
 # for custom call" at compile time.
 _missing_cuda_p = Primitive("jax_kimi_mla_missing_cuda_module")
-_missing_cuda_p.def_abstract_eval(lambda x, *, op: x)
-_missing_cuda_p.def_impl(lambda x, *, op: x)
-mlir.register_lowering(_missing_cuda_p, lambda ctx, x, *, op: [x])
-batching.primitive_batchers[_missing_cuda_p] = lambda args, dims, *, op: (_missing_cuda_p.bind(*args, op=op), dims[0])
+_missing_cuda_p.def_abstract_eval(lambda x, *, target: x)
+_missing_cuda_p.def_impl(lambda x, *, target: x)
+mlir.register_lowering(_missing_cuda_p, lambda ctx, x, *, target: [x])
+batching.primitive_batchers[_missing_cuda_p] = lambda args, dims, *, target: (_missing_cuda_p.bind(*args, target=target), dims[0])
 
 
-def _missing_cuda_lowering(ctx, x, *, op):
+def _missing_cuda_lowering(ctx, x, *, target):
     if ctx.module_context.lowering_parameters.for_export:  # an artifact may target CUDA from anywhere
         return [x]
-    raise RuntimeError(f"jax_kimi_mla.{PUBLIC_NAMES[op]} was called on a GPU, but {BUILD_CUDA_HINT}")
+    raise RuntimeError(f"jax_kimi_mla.{PUBLIC_NAMES[target]} was called on a GPU, but {BUILD_CUDA_HINT}")
 
 
 mlir.register_lowering(_missing_cuda_p, _missing_cuda_lowering, platform="cuda")
@@ -89,7 +88,7 @@ mlir.register_lowering(_missing_cuda_p, _missing_cuda_lowering, platform="cuda")
 PUBLIC_NAMES = {e.target: e.op for e in EPILOGUES.values()} | {r: r for r in READERS}
 
 
-def call(op: str, inputs, result_shapes, aliases: dict[int, int], attrs: dict, fold=None):
+def call(target: str, inputs, result_shapes, aliases: dict[int, int], attrs: dict, fold=None):
     """Runs one FFI target. ``aliases`` maps input index -> output index (in place); ``attrs``
     are its attributes, typed as the handler binds them. Under a jit on sharded inputs the call
     is partitioned by ``_partition``'s rule of the target; a scratch result comes back as None.
@@ -98,21 +97,21 @@ def call(op: str, inputs, result_shapes, aliases: dict[int, int], attrs: dict, f
     batch runs as a loop of calls (``_batching``)."""
 
     def make_target(results):
-        return jax.ffi.ffi_call(target_name(op), results, input_output_aliases=aliases, vmap_method="sequential")
+        return jax.ffi.ffi_call(target_name(target), results, input_output_aliases=aliases, vmap_method="sequential")
 
     # custom_partitioning has no batching rule of its own: this one folds or loops.
     @custom_batching.custom_vmap
     def partitioned(*args):
         if not HAS_CUDA_MODULE:
-            args = (_missing_cuda_p.bind(args[0], op=op), *args[1:])
-        return _partition.call(op, make_target, args, result_shapes, aliases, attrs)
+            args = (_missing_cuda_p.bind(args[0], target=target), *args[1:])
+        return _partition.call(target, make_target, args, result_shapes, aliases, attrs)
 
     @partitioned.def_vmap
     def _batched(axis_size, in_batched, *args):
         plan = None if fold is None else fold(axis_size, in_batched, args, result_shapes, attrs)
         if plan is not None:
             folded, folded_shapes, folded_attrs, unfold = plan
-            outs = unfold(call(op, folded, folded_shapes, aliases, folded_attrs, fold))
+            outs = unfold(call(target, folded, folded_shapes, aliases, folded_attrs, fold))
         else:
 
             def one(batched):
@@ -130,7 +129,7 @@ def call(op: str, inputs, result_shapes, aliases: dict[int, int], attrs: dict, f
 
     @run.defjvp
     def _no_derivative(primals, tangents):
-        name = PUBLIC_NAMES[op]
+        name = PUBLIC_NAMES[target]
         raise TypeError(
             f"jax_kimi_mla.{name} is inference-only and has no derivative; differentiate"
             f" jax_kimi_mla.reference.{name} (the same op in jax.numpy) instead"

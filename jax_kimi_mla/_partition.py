@@ -96,10 +96,10 @@ def _axes(arg_shapes, operand_dims, factors, size, taken=()):
     return ()
 
 
-def call(op: str, make_target, inputs, result_shapes, aliases: dict[int, int], attrs: dict):
-    """``make_target(result_shapes)(*inputs, **attrs)`` under ``op``'s partitioning rule; returns
+def call(target: str, make_target, inputs, result_shapes, aliases: dict[int, int], attrs: dict):
+    """``make_target(result_shapes)(*inputs, **attrs)`` under ``target``'s partitioning rule; returns
     the results, a scratch result as None."""
-    rule = RULES.get(op)
+    rule = RULES.get(target)
     if rule is None:
         return tuple(make_target(result_shapes)(*inputs, **attrs))
     operand_dims = rule.operands([x.shape for x in inputs])

@@ -104,7 +104,8 @@ EPILOGUES = {
 READERS = ("mla_decode_attention", "gather_mla_cache")  # FFI targets that only read the cache
 FFI_TARGETS = tuple(e.target for e in EPILOGUES.values()) + READERS
 # The per-head arrays [T or B, H, width] among the ops' inputs and among their outputs, by name:
-# the head axis that tensor parallelism shards (_partition's rules, sharding's shard_map specs).
+# the head axis that tensor parallelism shards (_partition's rules; sharding's shard_map specs of
+# the inputs, its outputs being per-head first and the cache last).
 PER_HEAD_INPUTS = frozenset({"q", "k_nope", "v", "ql_nope", "q_pe"})
 PER_HEAD_OUTPUTS = frozenset({"q", "k", "q_fp8", "k_fp8", "v_fp8", "mqa_q"})
 

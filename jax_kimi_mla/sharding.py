@@ -41,10 +41,9 @@ from jax.sharding import PartitionSpec
 from ._checks import Columns
 from .formats import PER_HEAD_INPUTS
 
-# Inputs with a head axis (axis 1) and inputs with a token axis (axis 0); arguments not named
-# here (cos_sin_cache, the scales) are replicated, and the cache gets its own rule.
-_PER_HEAD = PER_HEAD_INPUTS
-_PER_TOKEN = _PER_HEAD | {"k_pe", "kv_c_normed", "slot_mapping", "positions"}
+# Inputs with a token axis (axis 0), beside the per-head ones (PER_HEAD_INPUTS: a head axis too);
+# arguments not named here (cos_sin_cache, the scales) are replicated, and the cache gets its own rule.
+_PER_TOKEN = PER_HEAD_INPUTS | {"k_pe", "kv_c_normed", "slot_mapping", "positions"}
 _CACHE = "kv_cache"
 
 
@@ -63,7 +62,7 @@ def input_specs(op, *, head_axis=None, token_axis=None) -> dict[str, PartitionSp
     inputs with these (``NamedSharding(mesh, spec)``) to avoid a reshard before the call."""
     specs = {}
     for name in inspect.signature(op).parameters:
-        if name in _PER_HEAD:
+        if name in PER_HEAD_INPUTS:
             specs[name] = PartitionSpec(token_axis, head_axis)
         elif name in _PER_TOKEN or name == _CACHE:
             specs[name] = PartitionSpec(token_axis)
@@ -107,7 +106,7 @@ def shard(op, mesh, *, head_axis=None, token_axis=None):
       inputs are sharded like the tensor they wrap.
     """
     signature = inspect.signature(op)
-    if not (_PER_HEAD & set(signature.parameters) and {_CACHE, "slot_mapping"} <= set(signature.parameters)):
+    if not (PER_HEAD_INPUTS & set(signature.parameters) and {_CACHE, "slot_mapping"} <= set(signature.parameters)):
         raise TypeError(
             f"sharding.shard takes the four epilogue ops (or their references), got {getattr(getattr(op, 'func', op), '__name__', op)!r}. "
             "The readers (mla_decode_attention, gather_mla_cache) run head- or batch-parallel under a plain jax.jit; "
@@ -132,7 +131,7 @@ def shard(op, mesh, *, head_axis=None, token_axis=None):
 
         # Traced on the global shapes first, so argument errors name the shapes the caller passed.
         num_outputs = len(jax.eval_shape(per_device, *arrays))
-        per_head = next(by_name[n] for n in signature.parameters if n in _PER_HEAD)
+        per_head = next(by_name[n] for n in signature.parameters if n in PER_HEAD_INPUTS)
         _check_divisible("the head count H", jnp.shape(per_head)[1], head_axis, mesh)
         _check_divisible("the token count T", jnp.shape(by_name["slot_mapping"])[0], token_axis, mesh)
         if token_axis is not None and len(jnp.shape(by_name[_CACHE])) != 3:

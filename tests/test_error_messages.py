@@ -143,7 +143,7 @@ def exported(fn, kwargs: dict):
     function's arguments and the rest bound."""
     arrays = {k: v for k, v in kwargs.items() if isinstance(v, np.ndarray | jax.ShapeDtypeStruct)}
     rest = {k: v for k, v in kwargs.items() if k not in arrays}
-    disabled = [jax.export.DisabledSafetyCheck.custom_call(jax_kimi_mla._ffi.target_name(op)) for op in jax_kimi_mla._ffi.OPS]
+    disabled = [jax.export.DisabledSafetyCheck.custom_call(jax_kimi_mla._ffi.target_name(op)) for op in jax_kimi_mla._ffi.FFI_TARGETS]
     return jax.export.export(jax.jit(lambda a: fn(**a, **rest)), platforms=("cpu",), disabled_checks=disabled)(arrays)
 
 

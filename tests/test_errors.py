@@ -250,7 +250,7 @@ def test_gpu_call_without_the_cuda_module_says_how_to_build_it(fmt, monkeypatch)
     message = str(e.value)
     assert message.startswith(f"jax_kimi_mla.{name} was called on a GPU, but jax_kimi_mla was built without its CUDA module")
     assert "JAX_KIMI_MLA_CUDA=ON pip install ." in message and "scripts/build_wheel.sh" in message
-    disabled = [jax.export.DisabledSafetyCheck.custom_call(_ffi.target_name(op)) for op in _ffi.OPS]
+    disabled = [jax.export.DisabledSafetyCheck.custom_call(_ffi.target_name(op)) for op in _ffi.FFI_TARGETS]
     exported = jax.export.export(fn, platforms=("cuda",), disabled_checks=disabled)(*args)
     assert _ffi.target_name(name if fmt == "reader" else "decode_kv_cache") in exported.mlir_module()
     assert len(fn.trace(*args).lower(lowering_platforms=("cpu",)).as_text()) > 0  # the CPU lowering is untouched

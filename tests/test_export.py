@@ -80,7 +80,7 @@ def make_inputs(fmt, seed):
 
 
 def export(fmt, platforms):
-    disabled = [jax.export.DisabledSafetyCheck.custom_call(_ffi.target_name(op)) for op in _ffi.OPS]
+    disabled = [jax.export.DisabledSafetyCheck.custom_call(_ffi.target_name(op)) for op in _ffi.FFI_TARGETS]
     fn = jax.jit(lambda p, d, cs: step(fmt, p, d, cs))
     return jax.export.export(fn, platforms=platforms, disabled_checks=disabled)(*make_inputs(fmt, seed=0))
 
@@ -122,7 +122,7 @@ def test_export_without_disabling_the_custom_call_check_is_refused():
 
 def test_abi_doc_names_every_target_with_its_version():
     doc = ABI_DOC.read_text()
-    for op in _ffi.OPS:
+    for op in _ffi.FFI_TARGETS:
         assert f"`{_ffi.target_name(op)}`" in doc
     assert f"ABI_VERSION = {jkm.ABI_VERSION}" in doc
 
@@ -136,7 +136,7 @@ def test_exported_neox_step_records_its_rope_style():
     def neox(*args):
         return jkm.fused_mla_key_concat_kv_cache_insert(*args, positions=prefill["positions"], cos_sin_cache=cos_sin, rope_style="neox")
 
-    disabled = [jax.export.DisabledSafetyCheck.custom_call(_ffi.target_name(op)) for op in _ffi.OPS]
+    disabled = [jax.export.DisabledSafetyCheck.custom_call(_ffi.target_name(op)) for op in _ffi.FFI_TARGETS]
     exported = jax.export.export(jax.jit(neox), platforms=("cpu",), disabled_checks=disabled)(*args)
     assert re.search(r'rope_style = "neox"', exported.mlir_module()), "rope_style is not in the artifact"
     with jax.default_device(jax.devices("cpu")[0]):
@@ -168,7 +168,7 @@ def test_version_1_names_still_run_as_gptj():
 def test_shape_polymorphic_export_is_a_clear_error(op):
     """A symbolic dimension reaches the argument checks, which name the argument (the ops' static
     attributes follow the shapes): ABI.md, "Exporting"."""
-    disabled = [jax.export.DisabledSafetyCheck.custom_call(_ffi.target_name(o)) for o in _ffi.OPS]
+    disabled = [jax.export.DisabledSafetyCheck.custom_call(_ffi.target_name(o)) for o in _ffi.FFI_TARGETS]
     (b,) = jax.export.symbolic_shape("b")
     cache = jax.ShapeDtypeStruct((N, BS, 576), jnp.bfloat16)
     if op == "epilogue":

@@ -606,7 +606,7 @@ def gpu_program(config, tokens):
     S = jax.ShapeDtypeStruct
     args = (params, S((tokens, config.hidden_size), config.dtype), S((tokens,), jnp.int32), S((tokens,), jnp.int32),
             S((tokens // 64 + 1, 64, ml.ENTRY), config.dtype))
-    unchecked = [jax.export.DisabledSafetyCheck.custom_call(_ffi.target_name(op)) for op in _ffi.OPS]
+    unchecked = [jax.export.DisabledSafetyCheck.custom_call(_ffi.target_name(op)) for op in _ffi.FFI_TARGETS]
     step = jax.jit(functools.partial(ml.prefill, config=config, attention_impl="blockwise"), donate_argnums=4)
     text = jax.export.export(step, platforms=["cuda"], disabled_checks=unchecked)(*args).mlir_module()
     dots = []

@@ -191,7 +191,7 @@ def test_both_partitioners_keep_heads_local(devs, shardy):  # noqa: F811
 
 
 def _disabled_checks():
-    return [jax.export.DisabledSafetyCheck.custom_call(_ffi.target_name(op)) for op in _ffi.OPS]
+    return [jax.export.DisabledSafetyCheck.custom_call(_ffi.target_name(op)) for op in _ffi.FFI_TARGETS]
 
 
 def test_multi_device_plain_jit_is_not_exportable_but_its_shard_map_twin_is(devs):  # noqa: F811

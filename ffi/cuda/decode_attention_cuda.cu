@@ -1,4 +1,5 @@
-// mla_decode_attention on the GPU: flash-decoding (split-KV) with warp-level tensor-core MMAs.
+// mla_decode_attention on the GPU: flash-decoding (split-KV) on tensor cores (mma.sync, or wgmma in
+// the sm_90a kernels).
 //
 // At most two launches per call, no allocation, no host synchronization, so XLA can capture it
 // in a CUDA graph:
@@ -2476,7 +2477,7 @@ bool rs_splits_fit_a_cluster(int device, dim3 grid) {
   return int64_t(grid.y) * grid.z <= known - 1;
 }
 
-// The kernel a call takes. JAX_KIMI_MLA_DECODE_KERNEL (read per call, for comparisons) may ask
+// The kernel a call takes. JAX_KIMI_MLA_DECODE_KERNEL (a developer's switch, as the PDL one below) may ask
 // for another than the default where that one applies:
 // - fp8_attention_kernel (the default where it applies): the plain fp8 cache under an E4M3 query
 //   at S_q = 1, in a build that has the sm_89+ fp8 conversion (not JAX_KIMI_MLA_SOFTWARE_FP8).
@@ -2536,7 +2537,8 @@ ActType mma_type(const DecodeAttention& a) {
 }
 
 // combine_kernel by programmatic dependent launch (let_dependent_launch_start) unless
-// JAX_KIMI_MLA_DECODE_PDL=0 (read per call, for comparisons): the call's span at B = 1-8 is about
+// JAX_KIMI_MLA_DECODE_PDL=0 (a developer's switch for comparisons, read when a call is launched or
+// captured into a CUDA graph, so set before the first call): the call's span at B = 1-8 is about
 // 1 us shorter (docs/DECODE_ATTENTION.md, Twenty-second round).
 bool programmatic_combine() {
   const char* env = std::getenv("JAX_KIMI_MLA_DECODE_PDL");

@@ -1,7 +1,8 @@
 // From XLA FFI buffers to an Epilogue: the one place that knows each op's operand order, checks
 // what the handler is given, and describes the rows it writes. Shared by the CPU and CUDA
-// handlers (host code only). The Python wrappers check arguments first and explain errors to the
-// user; these checks make a malformed direct call fail instead of touching foreign memory.
+// handlers: make_plan is host code; the op shapes (op_shape) are host and device code, as the
+// kernel plans its lanes from them. The Python wrappers check arguments first and explain errors
+// to the user; these checks make a malformed direct call fail instead of touching foreign memory.
 #pragma once
 
 #include <string>

@@ -14,12 +14,12 @@ enum class OutType : uint8_t { kBF16, kF16, kF32 };
 
 struct GatherCache : PagedCache {
   int64_t batch = 0;
-  int64_t num_tokens = 0;  // output rows; past the last sequence's tokens they are zeros
+  // Output rows. Token t of sequence b goes to row start + t, start being the clamped lengths of
+  // the sequences before b; rows at or past num_tokens are dropped, and rows past the last
+  // sequence's tokens are zeros.
+  int64_t num_tokens = 0;
   OutType out_type = OutType::kBF16;
   void* out = nullptr;  // [num_tokens, 576]
-
-  // Output row of token t of sequence b is start + t, start being the clamped lengths of the
-  // sequences before b; rows at or past num_tokens are dropped.
 };
 
 // Eight float32 values stored as output elements 8g..8g+7 of row r (bf16/f16: round to nearest
