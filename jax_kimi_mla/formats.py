@@ -2,7 +2,8 @@
 
 The ops, their argument checks and references, the layer, the benchmark workloads and the tests
 read these tables; the C++ side has its twins in ``ffi/include/jax_kimi_mla/epilogue.h``
-(``CacheFormat``) and ``ffi_plan.h`` (``op_shape``). Format names are those of ``layer.MLAConfig.cache_format``:
+(``CacheFormat``, ``cache_entry_bytes``), ``ffi_plan.h`` (``op_shape``; each epilogue's cache dtype)
+and ``paged_cache.h`` (the readers' format from the cache dtype). Format names are those of ``layer.MLAConfig.cache_format``:
 
 - ``"bf16"``: [N, bs, 576] entries [kv_c_normed | k_pe] in the activation dtype (bf16 or fp16);
 - ``"fp8"``: [N, bs, 576] float8_e4m3fn, quantized with a per-tensor ``cache_scale_inv``;

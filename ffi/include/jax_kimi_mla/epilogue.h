@@ -12,6 +12,11 @@ enum class ActType : uint8_t { kBF16, kF16 };
 // or fp16), "fp8" (E4M3, per-tensor scale), "fp8_ds_mla" (656-byte block-scaled entries).
 enum class CacheFormat : uint8_t { kBf16, kFp8, kFp8DsMla };
 
+// The bytes of one cache entry: 656 (fp8_ds_mla), 576 (plain fp8), 1152 (bf16/fp16).
+JKM_HD constexpr int64_t cache_entry_bytes(CacheFormat format) {
+  return format == CacheFormat::kFp8DsMla ? kDsMlaEntryBytes : format == CacheFormat::kFp8 ? kEntry : 2 * kEntry;
+}
+
 inline constexpr int kChunk = 8;                     // elements per chunk: 16 bytes of bf16/fp16
 inline constexpr int kRopeChunks = kRope / kChunk;   // 8
 inline constexpr int kCacheChunks = kEntry / kChunk; // 72: the chunks of one cache entry

@@ -211,7 +211,6 @@ inline ffi::Error make_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets r
   const ffi::DataType cache_type = shape.cache == CacheFormat::kFp8DsMla ? ffi::DataType::U8
                                    : shape.cache == CacheFormat::kFp8 ? ffi::DataType::F8E4M3FN
                                                                       : act;
-  const int64_t entry = cache_type == ffi::DataType::U8 ? kDsMlaEntryBytes : kEntry;
   const int64_t item = cache_type == act ? 2 : 1;
   // [num_blocks, block_size, W], or a stack of them [..., num_blocks, block_size, W]: the leading
   // dimensions are blocks too (slot s is row s of the whole buffer).
@@ -220,7 +219,7 @@ inline ffi::Error make_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets r
             "kv_cache has the wrong dtype or rank for this op");
   if (!ck.ok()) return ck.error();
   const int64_t row_width = cache_dims[cache_dims.size() - 1];  // elements of the cache dtype
-  ck.expect(row_width >= entry && row_width * item % 16 == 0,
+  ck.expect(row_width * item >= cache_entry_bytes(shape.cache) && row_width * item % 16 == 0,
             "kv_cache rows must hold an entry and be a multiple of 16 bytes");
   ck.expect(cache_out.element_type() == cache_type && cache_out.size_bytes() == cache.size_bytes(),
             "the output cache must match the input cache");

@@ -42,12 +42,7 @@ struct PagedCache {
       if (size == int64_t(1) << shift) block_shift = shift;
   }
 
-  // The bytes of one entry: 656 (fp8_ds_mla), 576 (plain fp8), 1152 (bf16/fp16).
-  JKM_HD int64_t entry_bytes() const {
-    return cache_format == CacheFormat::kFp8DsMla ? kDsMlaEntryBytes
-           : cache_format == CacheFormat::kFp8    ? kEntry
-                                                  : 2 * kEntry;
-  }
+  JKM_HD int64_t entry_bytes() const { return cache_entry_bytes(cache_format); }
 
   // Tokens of sequence b, clamped to [0, max_blocks * block_size].
   JKM_HD int64_t context_len(int64_t b) const {
