@@ -171,18 +171,13 @@ class Variant:
                 shapes["v"] = (T, H, V)
         x = dict(zip(shapes, _normals(jax.random.key(seed), tuple((SIGMA[n], s) for n, s in shapes.items()), dtype)))
 
-        def scale_inv(name):
-            return jnp.float32(E4M3_MAX / (FP8_RANGE_SIGMAS * SIGMA[name]))
-
-        if self.phase == "decode":
-            args = [x["ql_nope"], x["q_pe"], x["kv_c_normed"], x["k_pe"], cache, jnp.asarray(slots)]
-            if self.cache_format == "fp8":
-                args += [scale_inv("ql_nope"), scale_inv("kv_c_normed")]
-        elif self.cache_format == "fp8":
-            args = [x["q"], x["k_nope"], x["k_pe"], x["kv_c_normed"], x["v"], cache, jnp.asarray(slots),
-                    scale_inv("q"), scale_inv("k_nope"), scale_inv("v"), scale_inv("kv_c_normed")]
-        else:
-            args = [x["q"], x["k_nope"], x["k_pe"], x["kv_c_normed"], cache, jnp.asarray(slots)]
+        # The op's inputs in the table's order, then its scales, each set for the spread of the
+        # tensor it quantizes.
+        named = dict(x, kv_cache=cache, slot_mapping=jnp.asarray(slots))
+        quantized = {"q_scale_inv": "ql_nope" if self.phase == "decode" else "q", "k_scale_inv": "k_nope",
+                     "v_scale_inv": "v", "cache_scale_inv": "kv_c_normed"}
+        args = [named[n] for n in self.epilogue.inputs]
+        args += [jnp.float32(E4M3_MAX / (FP8_RANGE_SIGMAS * SIGMA[quantized[n]])) for n in self.epilogue.scales]
         if self.rope:
             args += [jnp.asarray(rng.integers(0, MAX_POSITION, size=tokens, dtype=np.int32)), _cos_sin_cache()]
         return args
