@@ -1,0 +1,539 @@
+// rs_attention_kernel: fp8_ds_mla on register-sourced wgmma, sm_90a (decode_attention_cuda.cu, 1d).
+#pragma once
+
+#include "decode_attention_common.cuh"
+
+namespace jax_kimi_mla {
+namespace {
+
+// ---- rs_attention_kernel (fp8_ds_mla at S_q = 1, sm_90a): the tokens as M, A from registers ----
+//
+// 256 threads, one CTA per SM, grid and partials as attention_kernel's. The two warpgroups take
+// alternate 64-token tiles of the split from a ring of kRsStages raw stages (tile i in stage
+// i % kRsStages, so each stage serves one warpgroup), each warpgroup with its own softmax state;
+// the two states merge at the end as two splits would. Once a warpgroup has read tile i into
+// registers, its warps 0-1 (one thread a token) issue tile i + kRsStages into that stage, whose
+// rows they looked up during tile i. No producer warp: a ninth warp would cap a thread at 168
+// registers (3 warps on one scheduler's register file), and this loop needs about 190.
+// Per tile, a warpgroup (warp w, g = lane / 4, c = lane % 4):
+// - S^T = K Q^T with wgmma m64n16k16 (M: the 64 tokens, N: the 16 query rows). The latent: 32
+//   k-steps of f16, A = the E4M3 codes of a thread's two tokens (rs_token), 16-byte shared loads
+//   converted in registers (cvt.rn.f16x2.e4m3x2, exact), one accumulator per 128-column scale
+//   tile, its scale applied to the partial logits in float32; k_pe: 4 bf16 k-steps, A = the raw
+//   bf16 values. B = the query tile in shared memory (f16 latent with a per-row power-of-two
+//   prescale; bf16 k_pe), 128-byte swizzled, its columns permuted to the
+//   order in which the A fragments hold them (rs_q_kstep). So Q takes no registers, and no
+//   converted K or V tile goes through shared memory (the traffic that bounded an earlier wgmma
+//   kernel with converter warps: docs/DECODE_ATTENTION.md, Ninth and Tenth rounds).
+// - Softmax against a reference per query row that the warpgroup shares (base 2; p = 2^(logit -
+//   ref) in float32): a tile whose logits plus log2 of their token's largest scale all stay within
+//   kRsSlack of it needs one named barrier (an OR vote, which also publishes P'); otherwise the
+//   warpgroup reduces the tile's largest such value, moves the reference there, rescales out and
+//   the sums, and writes P' again (rare after the first tiles). So p s_t <= 2^kRsSlack in f16 for
+//   any scale. The sums are each thread's own until the end.
+// - P'_t^T = p x s_t (the token's scale of scale tile t) in f16, one 16 x 64 tile per scale tile.
+// - O^T += V^T P'_t^T: 8 M-blocks of 64 latent columns (blocks 2t, 2t + 1 inside scale tile t:
+//   rs_column) x 4 k-steps of 16 tokens, A = the codes of a thread's 4 tokens x 4 columns
+//   (32-bit loads, paired by prmt, converted in registers).
+// The tile's rows are read conflict-free: for S^T a quarter-warp's two tokens are 4 rows apart
+// (656 = 16 mod 128), for P.V a k-step's four lanes' tokens are 2 rows apart. ptxas keeps the
+// wgmmas asynchronous only with wgmma.wait_group 0 between groups (a deeper pipeline serializes
+// them: C7513/C7514), so each group's conversion overlaps the previous group's MMAs.
+// Probe: benchmarks/probes/ds_rs_tile_loop.cu (the loop without paging: 1.40 us a tile from HBM
+// against attention_kernel's 2.38 on the H200). History: docs/DECODE_ATTENTION.md, Sixteenth round.
+constexpr int kRsGroups = 2;
+constexpr int kRsStages = 4;
+constexpr int kRsMinSplitTiles = 4;  // the default from this many tiles a split (choose_kernel)
+constexpr float kRsSlack = 8.0f;  // log2 units: P' values up to 2^8 before the reference moves
+constexpr int kScaleTiles = kLatent / kDsMlaTile;  // 4
+static_assert(kRsGroups * 128 == kThreads && kScaleTiles == 4 && kTileRows == 16);
+
+// The query prescale: the latent q meets the codes in f16 MMAs, so each query row is stored times
+// a power of two 2^-k that puts its largest latent value in [2^14, 2^15) (exact for every value
+// within 2^29 of it), and its logits are multiplied back by 2^k.
+struct QPrescale {
+  float q_unscale[kTileRows];  // 2^k: the row's latent q was stored times 2^-k
+  int q_max_bits[kTileRows];   // the row's largest |latent q| (float bits), for the prescale
+};
+
+// Element `half` of a pair of q (f16 or bf16), as a float.
+__device__ __forceinline__ float chunk_elem(const DecodeAttention& a, uint32_t word, int half) {
+  const uint16_t h = uint16_t(word >> (16 * half));
+  return a.q_type == QType::kF16 ? __half2float(__ushort_as_half(h)) : bf16_to_f32(h);
+}
+
+// The largest |latent q| of each row among fetch_q's chunks, into stats.q_max_bits (zeroed before).
+__device__ __forceinline__ void q_row_max_bits(const DecodeAttention& a, const uint4 (&fetched)[kQChunksPerThread],
+                                               QPrescale& stats) {
+  constexpr int kChunksPerRow = kEntry / 8;
+#pragma unroll
+  for (int i = 0; i < kQChunksPerThread; ++i) {
+    const int c = int(threadIdx.x) + i * kThreads, r = c / kChunksPerRow;
+    if (c >= kQChunks) break;
+    if (c - r * kChunksPerRow >= kLatent / 8) continue;  // k_pe: no prescale
+    const uint32_t words[4] = {fetched[i].x, fetched[i].y, fetched[i].z, fetched[i].w};
+    float m = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(chunk_elem(a, words[j / 2], j % 2)));  // NaN skipped
+    atomicMax(&stats.q_max_bits[r], __float_as_int(m));  // nonnegative floats order as their bits
+  }
+}
+
+// The exponent field of a nonnegative float (0 for zero and subnormals, 255 for NaN).
+__device__ __forceinline__ uint32_t exponent_of(float x) { return (__float_as_uint(x) >> 23) & 0xFFu; }
+
+struct RsLayout {
+  static constexpr int kStageBytes = kTileTokens * kDsMlaEntryBytes;            // 41,984
+  static constexpr int kRaw = 0;                                                // [kRsStages][64][656]
+  static constexpr int kQ = kRaw + kRsStages * kStageBytes;                     // 8 x [16][128 B] f16, swizzled
+  static constexpr int kQpe = kQ + kLatent / 64 * kTileRows * 128;              // [16][128 B] bf16, swizzled
+  static constexpr int kP = kQpe + kTileRows * 128;                             // [group][scale tile][16][128 B]
+  static constexpr int kMax = kP + kRsGroups * kScaleTiles * kTileRows * 128;   // float [group][warp][16]
+  static constexpr int kRef = kMax + kRsGroups * 4 * kTileRows * 4;             // float [group][16]: the end's max
+  static constexpr int kMasks = kRef + kRsGroups * kTileRows * 4;               // uint32 [stage][2]: live tokens
+  static constexpr int kBarriers = kMasks + kRsStages * 8;                      // uint64 full[stages], empty[stages]
+  static constexpr int kStats = kBarriers + 2 * kRsStages * 8;                  // QPrescale
+  static constexpr int kLse = kStats + (int(sizeof(QPrescale)) + 15) / 16 * 16; // float [16]: a cluster's rows
+  static constexpr int kBytes = kLse + kTileRows * 4;
+  // At the end, over the stages: the staged output rows, and warpgroup 1's out; over the P tiles,
+  // a cluster merge's weights.
+  static constexpr int kExchange = kStageBytes;
+  static_assert(kStageBytes % 1024 == 0 && kQ % 1024 == 0 && kQpe % 1024 == 0 && kP % 1024 == 0);
+  static_assert(kTileRows * kStagingStride * 4 <= kExchange && kExchange + 64 * 128 * 4 <= kQ);
+  static_assert(kBytes <= 232448, "more than sm_90's 227 KB of shared memory per block");
+};
+
+// The token of S^T's M row 16w + g + 8h: rows g and g + 1 of a quarter-warp 4 tokens apart.
+__host__ __device__ constexpr int rs_token(int w, int g, int h) { return 16 * w + 8 * h + (g >> 1) + 4 * (g & 1); }
+// The latent column of P.V's M row 16w + g + 8h of block mb: blocks 2t, 2t + 1 in scale tile t,
+// a thread's 4 columns of a scale tile one 32-bit word.
+__host__ __device__ constexpr int rs_column(int mb, int w, int g, int h) {
+  return 128 * (mb >> 1) + 32 * w + 4 * g + 2 * (mb & 1) + h;
+}
+// The query row of accumulator element k = 2 (x >> 2) + (x & 1) of lane column c.
+__device__ __forceinline__ int rs_row(int k, int c) { return 8 * (k >> 1) + 2 * c + (k & 1); }
+// Where the query tile holds latent column col: the A fragments of k-step 4G + j take the codes
+// 64G + 16c + 4j + [0, 4) of a token, as (2c, 2c + 1) and (2c + 8, 2c + 9); the k_pe k-step
+// 2h + kk takes k_pe columns 32h + 8c + 4kk + [0, 4) as (2c, 2c + 1), (2c + 8, 2c + 9).
+__host__ __device__ constexpr int rs_q_kstep(int col) {
+  const int G = col / 64, c = col % 64 / 16, j = col % 16 / 4, i = col % 4;
+  return 16 * (4 * G + j) + 2 * c + (i & 1) + 8 * (i >> 1);
+}
+__host__ __device__ constexpr int rs_qpe_kstep(int col) {
+  const int h = col / 32, c = col % 32 / 8, kk = col % 8 / 4, f = col % 4 / 2, e = col % 2;
+  return 16 * (2 * h + kk) + 2 * c + 8 * f + e;
+}
+
+// The query tile from fetch_q's chunks: latent as f16 times the row's prescale, k_pe as bf16.
+__device__ __forceinline__ void rs_store_q(const DecodeAttention& a, const uint4 (&fetched)[kQChunksPerThread],
+                                           const QPrescale& stats, uint8_t* q_tile, uint8_t* qpe_tile) {
+  constexpr int kChunksPerRow = kEntry / 8;
+#pragma unroll
+  for (int i = 0; i < kQChunksPerThread; ++i) {
+    const int c = int(threadIdx.x) + i * kThreads, r = c / kChunksPerRow, chunk = c - r * kChunksPerRow;
+    if (c >= kQChunks) break;
+    const uint32_t words[4] = {fetched[i].x, fetched[i].y, fetched[i].z, fetched[i].w};
+    if (chunk < kLatent / 8) {
+      const float prescale = 1.0f / stats.q_unscale[r];  // a power of two: exact
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int k = rs_q_kstep(8 * chunk + 2 * j);
+        *reinterpret_cast<uint32_t*>(q_tile + swizzled_piece(r, k / 8, kTileRows) + 2 * (k % 8)) =
+            pack_elems<ActType::kF16>(chunk_elem(a, words[j], 0) * prescale, chunk_elem(a, words[j], 1) * prescale);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int k = rs_qpe_kstep(8 * (chunk - kLatent / 8) + 2 * j);
+        *reinterpret_cast<uint32_t*>(qpe_tile + swizzled_piece(r, k / 8, kTileRows) + 2 * (k % 8)) =
+            a.q_type == QType::kF16 ? pack_elems<ActType::kBF16>(chunk_elem(a, words[j], 0), chunk_elem(a, words[j], 1))
+                                    : words[j];
+      }
+    }
+  }
+}
+
+// One warpgroup's softmax state and out^T (o[mb][x]: M row 16w + g + 8 ((x >> 1) & 1) of block
+// mb, query row rs_row(k, c), k = 2 (x >> 2) + (x & 1)).
+struct RsState {
+  float o[8][8];
+  float ref[4], sum[4];  // per query row k: the reference max (log2 units), this thread's sum
+};
+
+// The splits of a sequence launched as one thread block cluster (rank = split) merge there instead
+// of in combine_kernel. Each CTA has staged its split's rows (normalized, float32, kStagingStride
+// apart) and their lse (-inf: empty or not a live split, rows of zeros). CTA k then merges output
+// pieces k, k + n, ... of every row over the cluster's n CTAs, with combine_kernel's weights
+// (exp(lse_s - max lse) over the non-empty splits; a NaN lse makes the row NaN), and writes them;
+// rank 0 writes the lse. weights: [kTileRows][kMaxClusterSplits] floats of this CTA's.
+constexpr int kMaxClusterSplits = 8;  // a portable cluster size
+
+__device__ void merge_cluster_splits(const DecodeAttention& a, int64_t b, int64_t row0, const float* staging,
+                                     const float* row_lse, float* weights) {
+  const int n = int(cluster_size()), me = int(cluster_rank()), tid = int(threadIdx.x);
+  const int rows = int(min64(a.rows() - row0, kTileRows));
+  cluster_sync();  // every split's rows and lse are staged
+  if (tid < rows) {
+    float lse[kMaxClusterSplits], m = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kMaxClusterSplits; ++j) {
+      lse[j] = j < n ? cluster_load(cluster_addr(row_lse + tid, j)) : -INFINITY;
+      m = fmaxf(m, lse[j]);  // skips NaN: a NaN lse propagates through its weight
+    }
+    float weight[kMaxClusterSplits], sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kMaxClusterSplits; ++j) {
+      weight[j] = lse[j] == -INFINITY ? 0.0f : expf(lse[j] - m);
+      sum += weight[j];
+    }
+    const bool empty = sum == 0.0f;  // no split saw a token (a NaN sum is not empty)
+#pragma unroll
+    for (int j = 0; j < kMaxClusterSplits; ++j) weights[tid * kMaxClusterSplits + j] = empty ? 0.0f : weight[j] / sum;
+    if (me == 0) a.lse[b * a.rows() + row0 + tid] = empty ? -INFINITY : m + logf(sum);
+  }
+  __syncthreads();
+  constexpr int kPieces = kLatent / 8;
+  const int mine = (kPieces - me + n - 1) / n;
+  for (int i = tid; i < rows * mine; i += int(blockDim.x)) {
+    const int row = i / mine, col = 8 * (me + n * (i % mine));
+    float v[8] = {};
+#pragma unroll
+    for (int j = 0; j < kMaxClusterSplits; ++j) {
+      if (j >= n) break;
+      const float w = weights[row * kMaxClusterSplits + j];
+      const uint32_t src = cluster_addr(staging + row * kStagingStride + col, j);
+      const float4 lo = cluster_load4(src), hi = cluster_load4(src + 16);
+      const float x[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = fmaf(w, x[e], v[e]);
+    }
+    store_out8(a, b, row0 + row, col, v);
+  }
+  cluster_sync();  // the other CTAs are done reading this one's rows
+}
+
+__device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, const Scales& scales, uint8_t* smem) {
+  using L = RsLayout;
+  constexpr int kEntryBytes = kDsMlaEntryBytes;
+  const int64_t len = a.context_len(b);
+  const Work w = split_work(a, b, int64_t(blockIdx.y) * kTileRows, blockIdx.x, len, len);
+  // A split past the length: the combine skips it; in a cluster it stages empty rows for the merge.
+  const bool in_cluster = cluster_size() > 1;
+  if (a.num_splits > 1 && w.first >= len && !in_cluster) return;
+
+  uint8_t* raw = smem + L::kRaw;
+  uint8_t* q_tile = smem + L::kQ;
+  uint8_t* qpe_tile = smem + L::kQpe;
+  uint32_t* masks = reinterpret_cast<uint32_t*>(smem + L::kMasks);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
+  uint64_t* empty = full + kRsStages;
+  QPrescale& stats = *reinterpret_cast<QPrescale*>(smem + L::kStats);
+  const auto stage = [&](int s) { return raw + s * L::kStageBytes; };
+  const int tid = int(threadIdx.x), warp = uniform_warp_index(), lane = tid % 32;
+  const int group = warp / 4, wq = warp % 4, g = lane / 4, c = lane % 4, gtid = tid % 128;
+  // Warps 0-1 of a warpgroup (thread `token`) issue a tile: its live tokens' mask, then the copies.
+  const auto issue = [&](int s, int64_t row, int token) {
+    const uint32_t live = __ballot_sync(0xFFFFFFFFu, row >= 0);
+    if (lane == 0) masks[2 * s + token / 32] = live;
+    issue_raw_tile<CacheFormat::kFp8DsMla>(a, row, stage(s), full + s, token);
+  };
+
+  __syncthreads();  // this CTA's previous sequence is done with the shared memory
+  if (tid == 0) {
+    for (int s = 0; s < kRsStages; ++s) mbarrier_init(full + s, kTileTokens), mbarrier_init(empty + s, 128);
+    mbarrier_init_fence();
+  }
+  if (tid < kTileRows) stats.q_max_bits[tid] = 0;
+  uint4 q_fetched[kQChunksPerThread];
+  fetch_q<ActType::kF16>(a, b, w.row0, q_fetched);
+  const int64_t first_row = tile_token_row(a, w, tid / kTileTokens, tid % kTileTokens);
+  __syncthreads();  // the mbarriers and the zeroed maxima are ready
+  JKM_PHASE_AT(1);
+  if (tid / kTileTokens < w.n_tiles) issue(tid / kTileTokens, first_row, tid % kTileTokens);
+  q_row_max_bits(a, q_fetched, stats);
+  __syncthreads();
+  if (tid < kTileRows) {  // the prescale 2^-k puts the row's largest latent value in [2^14, 2^15)
+    const uint32_t e = exponent_of(__int_as_float(stats.q_max_bits[tid]));
+    stats.q_unscale[tid] = e == 0 || e == 0xFF ? 1.0f : ldexpf(1.0f, max(int(e) - 127 - 14, -126));
+  }
+  __syncthreads();
+  rs_store_q(a, q_fetched, stats, q_tile, qpe_tile);
+  fence_proxy_async();  // the query tile is read by wgmma
+  __syncthreads();
+
+  uint8_t* p_mine = smem + L::kP + group * kScaleTiles * kTileRows * 128;
+  float* max_mine = reinterpret_cast<float*>(smem + L::kMax) + group * 4 * kTileRows;
+  const int bar_id = 1 + group;
+  const int tok0 = rs_token(wq, g, 0), tok1 = rs_token(wq, g, 1);
+  float unscale[4];  // the query rows' prescale, undone on the logits
+#pragma unroll
+  for (int k = 0; k < 4; ++k) unscale[k] = stats.q_unscale[rs_row(k, c)] * scales.logit;
+  RsState st;
+#pragma unroll
+  for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+    for (int x = 0; x < 8; ++x) st.o[mb][x] = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) st.ref[k] = -INFINITY, st.sum[k] = 0.0f;
+  JKM_PHASE_AT(2);
+
+  for (int64_t i = group; i < w.n_tiles; i += kRsGroups) {
+    const int s = int(i % kRsStages);
+    const uint8_t* tile = stage(s);
+    const bool issues = gtid < kTileTokens && i + kRsStages < w.n_tiles;
+    const int64_t next_row = issues ? tile_token_row(a, w, i + kRsStages, gtid) : -1;
+    mbarrier_wait(full + s, uint32_t(i / kRsStages) & 1);
+    JKM_TILE_AT(i);
+    const uint8_t* row0 = tile + tok0 * kEntryBytes;
+    const uint8_t* row1 = tile + tok1 * kEntryBytes;
+    const uint32_t live = masks[2 * s + wq / 2];
+    const bool live0 = (live >> (tok0 % 32)) & 1, live1 = (live >> (tok1 % 32)) & 1;
+
+    // S^T, latent: group G = columns 64G .. 64G + 63, k-steps 4G .. 4G + 3, scale tile G / 2.
+    float acc[kScaleTiles][8], acc_pe[8];
+    uint32_t frag[2][16];
+    uint4 next0 = *reinterpret_cast<const uint4*>(row0 + 16 * c);
+    uint4 next1 = *reinterpret_cast<const uint4*>(row1 + 16 * c);
+#pragma unroll
+    for (int G = 0; G < kLatent / 64; ++G) {
+      const uint32_t w0[4] = {next0.x, next0.y, next0.z, next0.w}, w1[4] = {next1.x, next1.y, next1.z, next1.w};
+      if (G + 1 < kLatent / 64) {
+        next0 = *reinterpret_cast<const uint4*>(row0 + 64 * (G + 1) + 16 * c);
+        next1 = *reinterpret_cast<const uint4*>(row1 + 64 * (G + 1) + 16 * c);
+      }
+      uint32_t(&f)[16] = frag[G & 1];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        f[4 * j + 0] = e4m3x2_half_to_f16x2<0>(w0[j]);
+        f[4 * j + 1] = e4m3x2_half_to_f16x2<0>(w1[j]);
+        f[4 * j + 2] = e4m3x2_half_to_f16x2<1>(w0[j]);
+        f[4 * j + 3] = e4m3x2_half_to_f16x2<1>(w1[j]);
+      }
+      if (G >= 1) wgmma_wait<0>();  // group G - 1 done (frag[G & 1] was group G - 2's)
+      if (G % 2 == 0) wgmma_fence_after(acc[G / 2]);
+      else wgmma_fence();
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int step = 4 * G + j;
+        wgmma_m64n16k16_rs<true>(acc[G / 2], f[4 * j], f[4 * j + 1], f[4 * j + 2], f[4 * j + 3],
+                                 swizzled_descriptor(q_tile + step / 4 * kTileRows * 128 + 32 * (step % 4)),
+                                 (G & 1) || j);
+      }
+      wgmma_commit();
+    }
+    {  // k_pe: 16-byte piece 4h + c of a token's k_pe holds the bf16 pairs of k-steps 2h, 2h + 1
+      uint4 pe[2][2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        pe[0][h] = *reinterpret_cast<const uint4*>(row0 + kLatent + 16 + 16 * (4 * h + c));
+        pe[1][h] = *reinterpret_cast<const uint4*>(row1 + kLatent + 16 + 16 * (4 * h + c));
+      }
+      wgmma_fence_after(acc_pe);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        wgmma_m64n16k16_rs<false>(acc_pe, pe[0][h].x, pe[1][h].x, pe[0][h].y, pe[1][h].y,
+                                  swizzled_descriptor(qpe_tile + 32 * (2 * h)), h);
+        wgmma_m64n16k16_rs<false>(acc_pe, pe[0][h].z, pe[1][h].z, pe[0][h].w, pe[1][h].w,
+                                  swizzled_descriptor(qpe_tile + 32 * (2 * h + 1)), 1);
+      }
+      wgmma_commit();
+    }
+    const float4 sc0 = *reinterpret_cast<const float4*>(row0 + kLatent);
+    const float4 sc1 = *reinterpret_cast<const float4*>(row1 + kLatent);
+    wgmma_wait<0>();
+
+    // Logits (log2 units; -inf for a masked token or one past the length) and the vote.
+    const float tile_scale[2][kScaleTiles] = {{sc0.x, sc0.y, sc0.z, sc0.w}, {sc1.x, sc1.y, sc1.z, sc1.w}};
+    // The reference covers logit + log2(the token's largest scale), so that p s_t <= 2^kRsSlack
+    // fits f16 whatever the scales (floored: a zero scale must not hide the token's k_pe logit).
+    const float top_scale[2] = {__log2f(fmaxf(fmaxf(fmaxf(sc0.x, sc0.y), fmaxf(sc0.z, sc0.w)), 1e-30f)),
+                                __log2f(fmaxf(fmaxf(fmaxf(sc1.x, sc1.y), fmaxf(sc1.z, sc1.w)), 1e-30f))};
+    float logit[8], reach[8];  // reach: logit + top_scale, what the reference must cover
+    bool over = false;
+#pragma unroll
+    for (int x = 0; x < 8; ++x) {
+      const int h = (x >> 1) & 1, k = 2 * (x >> 2) + (x & 1);
+      float v = 0.0f;
+#pragma unroll
+      for (int t = 0; t < kScaleTiles; ++t) v = fmaf(tile_scale[h][t], acc[t][x], v);
+      v = fmaf(v, unscale[k], acc_pe[x] * scales.logit);
+      logit[x] = (h ? live1 : live0) ? v : -INFINITY;
+      reach[x] = logit[x] + top_scale[h];
+      over |= reach[x] > st.ref[k] + kRsSlack;
+    }
+    // P'_t^T: (query row n, token m) of scale tile t's P tile at swizzled_piece(n, m / 8) + 2 (m % 8).
+    float p[8];
+    const auto write_p = [&]() {
+#pragma unroll
+      for (int x = 0; x < 8; ++x) {
+        const int h = (x >> 1) & 1, k = 2 * (x >> 2) + (x & 1), m = h ? tok1 : tok0;
+        // (a NaN logit while the reference is still -inf must stay NaN: it reaches out and lse)
+        p[x] = st.ref[k] != -INFINITY ? exp2f(logit[x] - st.ref[k]) : logit[x] != logit[x] ? logit[x] : 0.0f;
+#pragma unroll
+        for (int t = 0; t < kScaleTiles; ++t)
+          *reinterpret_cast<__half*>(p_mine + t * kTileRows * 128 + swizzled_piece(rs_row(k, c), m / 8, kTileRows) +
+                                     2 * (m % 8)) = __float2half_rn(p[x] * tile_scale[h][t]);
+      }
+      fence_proxy_async();  // P is read by wgmma
+    };
+    write_p();
+    if (named_barrier_or(bar_id, 128, over)) {  // rare: the reference moves to the tile's max
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        float v = fmaxf(reach[4 * (k >> 1) + (k & 1)], reach[4 * (k >> 1) + 2 + (k & 1)]);
+        v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, 4));
+        v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, 8));
+        v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, 16));
+        if (g == 0) max_mine[wq * kTileRows + rs_row(k, c)] = v;
+      }
+      named_barrier_sync(bar_id, 128);
+      float alpha[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int n = rs_row(k, c);
+        const float m = fmaxf(fmaxf(max_mine[n], max_mine[kTileRows + n]),
+                              fmaxf(max_mine[2 * kTileRows + n], max_mine[3 * kTileRows + n]));
+        const float ref = fmaxf(st.ref[k], m);
+        alpha[k] = ref == -INFINITY ? 1.0f : exp2f(st.ref[k] - ref);
+        st.ref[k] = ref;
+        st.sum[k] *= alpha[k];
+      }
+#pragma unroll
+      for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+        for (int x = 0; x < 8; ++x) st.o[mb][x] *= alpha[2 * (x >> 2) + (x & 1)];
+      write_p();
+      named_barrier_sync(bar_id, 128);  // P is complete; the maxima may be written again
+    }
+#pragma unroll
+    for (int x = 0; x < 8; ++x) st.sum[2 * (x >> 2) + (x & 1)] += p[x];
+
+    // O^T += V^T P'^T: k-step ks takes tokens 16 ks + 2c + e + 8f; a thread's column word of
+    // scale tile t is at 128t + 32w + 4g (byte 2v + h: block 2t + v, row half h).
+    uint32_t vfrag[2][8][4];
+#pragma unroll
+    for (int ks = 0; ks < kTileTokens / 16; ++ks) {
+      uint32_t v[kScaleTiles][2][2];  // [scale tile][e][f]
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int f = 0; f < 2; ++f) {
+          const uint8_t* row = tile + (16 * ks + 2 * c + e + 8 * f) * kEntryBytes + 32 * wq + 4 * g;
+#pragma unroll
+          for (int t = 0; t < kScaleTiles; ++t) v[t][e][f] = *reinterpret_cast<const uint32_t*>(row + 128 * t);
+        }
+      uint32_t(&f)[8][4] = vfrag[ks & 1];
+#pragma unroll
+      for (int t = 0; t < kScaleTiles; ++t)
+#pragma unroll
+        for (int hv = 0; hv < 2; ++hv) {
+          const uint32_t sel = hv ? 0x7362u : 0x5140u;  // bytes 2hv, 2hv + 1 of the e = 0 and e = 1 tokens
+          const uint32_t lo = __byte_perm(v[t][0][0], v[t][1][0], sel), hi = __byte_perm(v[t][0][1], v[t][1][1], sel);
+          f[2 * t + hv][0] = e4m3x2_half_to_f16x2<0>(lo);
+          f[2 * t + hv][1] = e4m3x2_half_to_f16x2<1>(lo);
+          f[2 * t + hv][2] = e4m3x2_half_to_f16x2<0>(hi);
+          f[2 * t + hv][3] = e4m3x2_half_to_f16x2<1>(hi);
+        }
+      if (ks >= 1) wgmma_wait<0>();
+      if (ks == 0) wgmma_fence_after(st.o);
+      else wgmma_fence();
+#pragma unroll
+      for (int mb = 0; mb < 8; ++mb)
+        wgmma_m64n16k16_rs<true>(st.o[mb], f[mb][0], f[mb][1], f[mb][2], f[mb][3],
+                                 swizzled_descriptor(p_mine + (mb / 2) * kTileRows * 128 + 32 * ks), 1);
+      wgmma_commit();
+    }
+    mbarrier_arrive(empty + s);  // the stage is read (into registers): tile i + kRsStages may land there
+    if (issues) {
+      mbarrier_wait(empty + s, uint32_t(i / kRsStages) & 1);
+      issue(s, next_row, gtid);
+    }
+    // P.V's last group runs under the copies' issue; waiting for it at the next tile's top instead
+    // makes ptxas serialize the wgmmas (C7515).
+    wgmma_wait<0>();
+  }
+  wgmma_wait<0>();
+  JKM_PHASE_AT(4);
+
+  // The warpgroups' states meet: each its sums per row, warpgroup 1 its out; warpgroup 0 merges.
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    float v = st.sum[k];
+    v += __shfl_xor_sync(0xFFFFFFFFu, v, 4);
+    v += __shfl_xor_sync(0xFFFFFFFFu, v, 8);
+    v += __shfl_xor_sync(0xFFFFFFFFu, v, 16);
+    if (g == 0) max_mine[wq * kTileRows + rs_row(k, c)] = v;  // now the warps' sums
+    if (wq == 0 && g == 0) reinterpret_cast<float*>(smem + L::kRef)[group * kTileRows + rs_row(k, c)] = st.ref[k];
+  }
+  float* exchange = reinterpret_cast<float*>(raw + L::kExchange);  // [64][128 threads]
+  if (group == 1)
+#pragma unroll
+    for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+      for (int x = 0; x < 8; ++x) exchange[(8 * mb + x) * 128 + gtid] = st.o[mb][x];
+  __syncthreads();
+  float* staging = reinterpret_cast<float*>(raw);
+  const int64_t rows = a.rows();
+  if (group == 0) {
+    const float* sums = reinterpret_cast<const float*>(smem + L::kMax);
+    const float* refs = reinterpret_cast<const float*>(smem + L::kRef);
+    float f0[4], f1[4], norm[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int n = rs_row(k, c);
+      const float m0 = refs[n], m1 = refs[kTileRows + n], m = fmaxf(m0, m1);
+      f0[k] = m0 == -INFINITY ? 0.0f : exp2f(m0 - m);
+      f1[k] = m1 == -INFINITY ? 0.0f : exp2f(m1 - m);
+      float l[2];
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const float* s = sums + q * 4 * kTileRows;
+        l[q] = s[n] + s[kTileRows + n] + s[2 * kTileRows + n] + s[3 * kTileRows + n];
+      }
+      const float sum = f0[k] * l[0] + f1[k] * l[1];
+      const bool empty_row = sum == 0.0f;  // saw no visible unmasked token; a NaN sum is not empty
+      norm[k] = empty_row ? 0.0f : scales.out / sum;
+      const int64_t r = w.row0 + n;
+      if (wq == 0 && g == 0 && r < rows) {
+        const float lse = empty_row ? -INFINITY : (m + log2f(sum)) * kLn2;
+        if (in_cluster) reinterpret_cast<float*>(smem + L::kLse)[n] = lse;
+        else store_lse(a, w, r, lse);
+      }
+    }
+#pragma unroll
+    for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+      for (int x = 0; x < 8; ++x) {
+        const int h = (x >> 1) & 1, k = 2 * (x >> 2) + (x & 1);
+        const float v = norm[k] == 0.0f ? 0.0f : (f0[k] * st.o[mb][x] + f1[k] * exchange[(8 * mb + x) * 128 + gtid]) * norm[k];
+        staging[rs_row(k, c) * kStagingStride + rs_column(mb, wq, g, h)] = v;
+      }
+  }
+  __syncthreads();
+  JKM_PHASE_AT(5);
+  if (in_cluster) {
+    merge_cluster_splits(a, w.b, w.row0, staging, reinterpret_cast<const float*>(smem + L::kLse),
+                         reinterpret_cast<float*>(smem + L::kP));
+    return;
+  }
+  constexpr int kPieces = kLatent / 8;
+  for (int i = tid; i < kTileRows * kPieces; i += kThreads) {
+    const int row = i / kPieces, col = 8 * (i % kPieces);
+    const int64_t r = w.row0 + row;
+    if (r >= rows) break;  // padding rows are last
+    store_out_piece(a, w, r, col, staging + row * kStagingStride + col);
+  }
+}
+
+// One sequence a CTA (grid z = B <= 65535: a loop over sequences, as the other kernels have, makes
+// ptxas hoist the loop's invariants and spill).
+__global__ void __launch_bounds__(kThreads, 1) rs_attention_kernel(const DecodeAttention a) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  JKM_PHASE_AT(0);
+  let_dependent_launch_start();
+  attend_rs(a, blockIdx.z, load_scales<CacheFormat::kFp8DsMla>(a), smem);
+  JKM_PHASE_AT(6);
+}
+
+}  // namespace
+}  // namespace jax_kimi_mla
