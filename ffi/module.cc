@@ -6,7 +6,7 @@
 
 // Every FFI target of a backend: the epilogues, then the cache readers. Python's
 // formats.FFI_TARGETS lists the same names in the same order.
-#define JKM_FOR_EACH_TARGET(X) JKM_FOR_EACH_OP(X) X(mla_decode_attention) X(gather_mla_cache)
+#define JKM_FOR_EACH_TARGET(X) JKM_FOR_EACH_EPILOGUE(X) X(mla_decode_attention) X(gather_mla_cache)
 
 #define JKM_SYMBOL_2(backend, name) jkm_##backend##_##name
 #define JKM_SYMBOL(backend, name) JKM_SYMBOL_2(backend, name)

@@ -69,7 +69,7 @@ template <Op op>
 ffi::Error handler(ffi::RemainingArgs args, ffi::RemainingRets rets,
                    ffi::Dictionary attrs) {
   Plan plan;
-  if (ffi::Error err = make_plan(op, args, rets, attrs, plan); err.failure()) return err;
+  if (ffi::Error err = make_epilogue_plan(op, args, rets, attrs, plan); err.failure()) return err;
   run(plan);
   return ffi::Error::Success();
 }
@@ -81,4 +81,4 @@ ffi::Error handler(ffi::RemainingArgs args, ffi::RemainingRets rets,
   XLA_FFI_DEFINE_HANDLER_SYMBOL(jkm_cpu_##name,                                     \
                                 jax_kimi_mla::handler<jax_kimi_mla::Op::name>,      \
                                 xla::ffi::Ffi::Bind().RemainingArgs().RemainingRets().Attrs());
-JKM_FOR_EACH_OP(JKM_CPU_HANDLER)
+JKM_FOR_EACH_EPILOGUE(JKM_CPU_HANDLER)

@@ -486,7 +486,7 @@ template <Op op>
 ffi::Error handler(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
                    ffi::Dictionary attrs) {
   Plan plan;
-  if (ffi::Error err = make_plan(op, args, rets, attrs, plan); err.failure()) return err;
+  if (ffi::Error err = make_epilogue_plan(op, args, rets, attrs, plan); err.failure()) return err;
   return run<op>(stream, plan);
 }
 
@@ -502,4 +502,4 @@ ffi::Error handler(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingR
           .RemainingRets()                                                                   \
           .Attrs(),                                                                  \
       {xla::ffi::Traits::kCmdBufferCompatible});
-JKM_FOR_EACH_OP(JKM_CUDA_HANDLER)
+JKM_FOR_EACH_EPILOGUE(JKM_CUDA_HANDLER)

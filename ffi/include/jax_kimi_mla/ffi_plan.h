@@ -1,6 +1,6 @@
 // From XLA FFI buffers to an Epilogue: the one place that knows each op's operand order, checks
 // what the handler is given, and describes the rows it writes. Shared by the CPU and CUDA
-// handlers: make_plan is host code; the op shapes (op_shape) are host and device code, as the
+// handlers: make_epilogue_plan is host code; the op shapes (op_shape) are host and device code, as the
 // kernel plans its lanes from them. The Python wrappers check arguments first and explain errors
 // to the user; these checks make a malformed direct call fail instead of touching foreign memory.
 #pragma once
@@ -17,7 +17,7 @@ namespace jax_kimi_mla {
 namespace ffi = xla::ffi;
 
 // The epilogue FFI targets, one per kernel (ffi/module.cc adds the cache readers).
-#define JKM_FOR_EACH_OP(X) \
+#define JKM_FOR_EACH_EPILOGUE(X) \
   X(prefill_kv_cache)      \
   X(prefill_ds_mla)        \
   X(prefill_fp8)           \
@@ -27,14 +27,14 @@ namespace ffi = xla::ffi;
 
 enum class Op {
 #define JKM_OP_ENUM(name) name,
-  JKM_FOR_EACH_OP(JKM_OP_ENUM)
+  JKM_FOR_EACH_EPILOGUE(JKM_OP_ENUM)
 #undef JKM_OP_ENUM
 };
 
 // The per-head rows each op writes, in order, as compile-time shapes: the chunks read from the
 // row's nope and pe sources, whether it is stored as E4M3, and whether its pe source is one row
 // shared by all heads (prefill's k_pe: the CUDA kernel then rotates it once per token and chunk,
-// not once per head). make_plan fills its RowSpecs from these; the CUDA kernel is compiled for
+// not once per head). make_epilogue_plan fills its RowSpecs from these; the CUDA kernel is compiled for
 // each.
 struct RowShape {
   int nope_chunks = 0, pe_chunks = 0;
@@ -151,7 +151,7 @@ inline RowSpec row_spec(const RowShape& shape, Strided<const uint16_t> nope, Str
 // Optional string attribute rope_style: "gptj" (the default when absent) or "neox".
 // kv_cache [N, bs, W]: W may exceed the entry (576 elements, 656 bytes for ds_mla) when a row is a
 // multiple of 16 bytes; entries go to the first columns of their row, the rest is never written.
-inline ffi::Error make_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets rets,
+inline ffi::Error make_epilogue_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets rets,
                             ffi::Dictionary attrs, Plan& plan) {
   const bool prefill = op == Op::prefill_kv_cache || op == Op::prefill_ds_mla || op == Op::prefill_fp8;
   const bool fp8_prefill = op == Op::prefill_fp8;
