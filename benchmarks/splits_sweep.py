@@ -15,7 +15,7 @@ import functools
 
 import jax
 
-from jax_kimi_mla import _profile, _workloads, ops
+from jax_kimi_mla import _device, _profile, _workloads, ops
 
 DEFAULT_CASES = ["bf16:1:4096:12", "bf16:1:32768:12", "bf16:4:16384:12", "bf16:8:32768:12",
                  "fp8_ds_mla:1:4096:12", "bf16:16:16384:12", "bf16:64:16384:12"]
@@ -27,7 +27,7 @@ def main(argv=None) -> None:
     parser.add_argument("--splits", default="1,2,4,8,16,32,64,128")
     parser.add_argument("--calls", type=int, default=20)
     opts = parser.parse_args(argv)
-    sm_count = ops._sm_count()
+    sm_count = _device.sm_count()
     for case in opts.cases:
         fmt, batch, context, heads = case.split(":")
         batch, context, heads = int(batch), int(context), int(heads)

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _batching, _checks, _ffi, reference
+from . import _batching, _checks, _device, _ffi, reference
 from .formats import ENTRY, EPILOGUES, Epilogue, L, P, R, V
 
 _NO_POSITIONS = ((0,), jnp.int32)
@@ -230,36 +230,11 @@ ROWS_PER_CTA = 16  # query rows (S_q x heads) one CUDA block of the decode kerne
 # (decode_attention_cuda.cu: wide_attention_kernel, choose_kernel).
 WIDE_ROWS_PER_CTA = 64
 WIDE_MIN_ROWS, WIDE_MIN_ROWS_BATCHED, WIDE_MIN_BATCH = 64, 32, 8
-DEFAULT_SM_COUNT = 132  # an H100/H200, when no GPU is visible at trace time
 
 
 def _reader_scale(scale_inv):
     """A readers' optional scale operand: float32 [1], or [0] when there is none."""
     return jnp.zeros((0,), jnp.float32) if scale_inv is None else jnp.reshape(scale_inv, (1,))
-
-
-def _sm_count() -> int:
-    """Multiprocessors of the default GPU, or 0 when the default backend is not a GPU."""
-    if jax.default_backend() != "gpu":
-        return 0
-    return getattr(jax.devices()[0], "core_count", None) or DEFAULT_SM_COUNT
-
-
-def gpu_compute_capability() -> tuple[int, int] | None:
-    """(major, minor) of the default device when it is a GPU that says, else None."""
-    if jax.default_backend() != "gpu":
-        return None
-    try:
-        major, minor = str(jax.devices()[0].compute_capability).split(".")[:2]
-        return int(major), int(minor)
-    except (AttributeError, TypeError, ValueError):
-        return None
-
-
-def _gpu_is_sm90() -> bool:
-    """Whether the default device is an sm_90 GPU (H100/H200), where the wgmma kernels run."""
-    cc = gpu_compute_capability()
-    return cc is not None and cc[0] == 9
 
 
 def wide_kernel_applies(cache_dtype, batch: int, q_tokens: int, heads: int) -> bool:
@@ -270,15 +245,8 @@ def wide_kernel_applies(cache_dtype, batch: int, q_tokens: int, heads: int) -> b
 
 def _decode_rows_per_cta(cache_dtype, batch: int, q_tokens: int, heads: int) -> int:
     """Query rows of one CUDA block of the decode attention kernel that the call will take."""
-    wide = wide_kernel_applies(cache_dtype, batch, q_tokens, heads) and _gpu_is_sm90()
+    wide = wide_kernel_applies(cache_dtype, batch, q_tokens, heads) and _device.gpu_is_sm90()
     return WIDE_ROWS_PER_CTA if wide else ROWS_PER_CTA
-
-
-def _gpu_before_hopper() -> bool:
-    """Whether the default device is a GPU older than sm_90, where the decode attention kernel
-    cannot run (it needs TMA and 178-222 KB of shared memory per block)."""
-    cc = gpu_compute_capability()
-    return cc is not None and cc < (9, 0)
 
 
 def default_num_splits(batch: int, rows: int, max_len: int, sm_count: int, rows_per_cta: int = ROWS_PER_CTA) -> int:
@@ -336,13 +304,13 @@ def mla_decode_attention(
           mqa_q, kv_cache, block_tables, context_lens)
     """
     c = _checks.decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale, ds_mla, q_scale_inv, cache_scale_inv, num_splits, return_lse)
-    if _gpu_before_hopper():  # the documented fallback: the jnp reference, same contract
+    if _device.gpu_before_hopper():  # the documented fallback: the jnp reference, same contract
         return reference.mla_decode_attention(
             mqa_q, kv_cache, block_tables, context_lens, softmax_scale=softmax_scale, ds_mla=ds_mla,
             q_scale_inv=q_scale_inv, cache_scale_inv=cache_scale_inv, return_lse=return_lse)
     B, S, H = c.q.shape[:3]
     max_len = c.block_tables.shape[1] * c.kv_cache.shape[1]
-    splits = c.num_splits or default_num_splits(B, S * H, max_len, _sm_count(), _decode_rows_per_cta(c.kv_cache.dtype, B, S, H))
+    splits = c.num_splits or default_num_splits(B, S * H, max_len, _device.sm_count(), _decode_rows_per_cta(c.kv_cache.dtype, B, S, H))
     scales = [_reader_scale(c.q_scale_inv), _reader_scale(c.cache_scale_inv)]
     partials = (splits * B * S * H * (L + 1),) if splits > 1 else (0,)
     # The FFI query is [B * S_q, H, 576]: the decode epilogue's mqa_q as it comes.

@@ -32,7 +32,7 @@ import inspect
 import jax
 import jax.numpy as jnp
 
-from . import ops
+from . import _device
 
 IMPLS = ("auto", "cudnn", "blockwise")
 MIN_CUDNN_VERSION = 91000  # cuDNN 9.10: MLA head dims (v != q) in flash attention
@@ -76,7 +76,7 @@ def device_problem() -> str | None:
     device = jax.devices()[0]
     if device.platform != "gpu" or "cuda" not in getattr(device.client, "platform_version", "cuda").lower():
         return f"the default device is {device.platform} ({device.device_kind}), not a CUDA GPU"
-    capability = ops.gpu_compute_capability() or (0, 0)
+    capability = _device.gpu_compute_capability() or (0, 0)
     if capability < MIN_COMPUTE_CAPABILITY:
         return f"{device.device_kind} has compute capability {capability}, below {MIN_COMPUTE_CAPABILITY} (Hopper)"
     try:

@@ -258,7 +258,7 @@ def test_gpus_before_hopper_fall_back_to_the_reference(monkeypatch):
     """Where the kernel cannot run (a GPU below sm_90) the op is the jnp reference: no custom
     call in the program, the reference's values bit for bit."""
     args, kw = make_case("fp8_ds_mla", "bfloat16", lens=(70, 1, 0), heads=4, block_size=16, seed=5)
-    monkeypatch.setattr(jax_kimi_mla.ops, "_gpu_before_hopper", lambda: True)
+    monkeypatch.setattr(jax_kimi_mla._device, "gpu_before_hopper", lambda: True)
     lowered = jax.jit(lambda *a: jax_kimi_mla.mla_decode_attention(*a, **kw)).lower(*args.values())
     assert "custom_call" not in lowered.as_text()
     got = run(jax_kimi_mla.mla_decode_attention, args, kw, "cpu")
@@ -419,7 +419,7 @@ def test_cuda_many_heads(monkeypatch, q_dtype, kernel, case):
         wide = any("wide_attention_kernel" in n for n in names)
         applies = jax_kimi_mla.ops.wide_kernel_applies(jnp.bfloat16, len(spec["lens"]), 1, spec["heads"])
         chosen = kernel == "wide" or (kernel == "default" and applies)
-        assert wide == (chosen and jax_kimi_mla.ops._gpu_is_sm90()), sorted(names)
+        assert wide == (chosen and jax_kimi_mla._device.gpu_is_sm90()), sorted(names)
 
 
 @pytest.mark.cuda
@@ -436,7 +436,7 @@ def test_cuda_ds_mla_kernel_by_split_length(num_splits, rs):
     if not names:  # the values were checked; only the trace is missing
         pytest.skip("no GPU kernels in the profiler's trace (compute-sanitizer holds the profiling interface)")
     taken = any("rs_attention_kernel" in n for n in names)
-    assert taken == (rs and jax_kimi_mla.ops._gpu_is_sm90()), sorted(names)
+    assert taken == (rs and jax_kimi_mla._device.gpu_is_sm90()), sorted(names)
 
 
 @pytest.mark.cuda
@@ -459,7 +459,7 @@ def test_cuda_rs_splits_merged_in_a_cluster(monkeypatch, kernel, num_splits, hea
     names = gpu_kernel_names(lambda: run(jax_kimi_mla.mla_decode_attention, args, kw, "cuda"))
     if not names:  # the values were checked; only the trace is missing
         pytest.skip("no GPU kernels in the profiler's trace (compute-sanitizer holds the profiling interface)")
-    if not jax_kimi_mla.ops._gpu_is_sm90():
+    if not jax_kimi_mla._device.gpu_is_sm90():
         return
     assert any("rs_attention_kernel" in n for n in names), sorted(names)
     assert any("combine_kernel" in n for n in names) == (kernel == "rs-combine"), sorted(names)
