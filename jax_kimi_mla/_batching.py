@@ -42,14 +42,21 @@ def _flat(x):
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
+def _holding(x, largest: int):
+    """Index array x in a dtype that holds ``largest``: as it is, int64 where x64 is on, else None
+    (the fold does not fit: the batch loops)."""
+    if largest <= jnp.iinfo(x.dtype).max:
+        return x
+    return x.astype(jnp.int64) if jax.config.jax_enable_x64 else None
+
+
 def _offset_ids(ids, count: int, size: int):
     """Ids [V, ...] of one element's ``count`` items (slots or block ids): a valid id of element v
     moved past the items of elements 0..v - 1, any other id -1; None where the offsets would not
     fit the dtype."""
-    if size * count > jnp.iinfo(ids.dtype).max:
-        if not jax.config.jax_enable_x64:
-            return None
-        ids = ids.astype(jnp.int64)
+    ids = _holding(ids, size * count)
+    if ids is None:
+        return None
     return shift_ids(ids, count, (count * jnp.arange(size, dtype=ids.dtype)).reshape((size,) + (1,) * (ids.ndim - 1)))
 
 
@@ -136,10 +143,9 @@ def gather_cache(size, batched, operands, result_shapes, attrs):
         cache = _flat(cache)
     # Each element fills exactly its n rows: lengths clamped (as the call does) and cut at n ...
     longest = min(tables.shape[-1] * block_size, n)
-    if tables.shape[1] * longest > jnp.iinfo(lens.dtype).max:  # their running sums would wrap
-        if not jax.config.jax_enable_x64:
-            return None
-        lens = lens.astype(jnp.int64)
+    lens = _holding(lens, tables.shape[1] * longest)  # their running sums must not wrap
+    if lens is None:
+        return None
     lens = jnp.clip(lens, 0, longest)
     starts = jnp.cumsum(lens, axis=1) - lens
     lens = jnp.clip(n - starts, 0, lens)
