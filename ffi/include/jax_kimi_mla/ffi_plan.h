@@ -1,8 +1,9 @@
 // From XLA FFI buffers to an Epilogue: the one place that knows each op's operand order, checks
 // what the handler is given, and describes the rows it writes. Shared by the CPU and CUDA
-// handlers: make_epilogue_plan is host code; the op shapes (op_shape) are host and device code, as the
-// kernel plans its lanes from them. The Python wrappers check arguments first and explain errors
-// to the user; these checks make a malformed direct call fail instead of touching foreign memory.
+// handlers: make_epilogue_plan is host code; the op shapes (op_shape) are host and device code,
+// as the kernel plans its lanes from them. The Python wrappers check arguments first and explain
+// errors to the user; these checks make a malformed direct call fail instead of touching foreign
+// memory.
 #pragma once
 
 #include <string>
@@ -18,11 +19,11 @@ namespace ffi = xla::ffi;
 
 // The epilogue FFI targets, one per kernel (ffi/module.cc adds the cache readers).
 #define JKM_FOR_EACH_EPILOGUE(X) \
-  X(prefill_kv_cache)      \
-  X(prefill_ds_mla)        \
-  X(prefill_fp8)           \
-  X(decode_kv_cache)       \
-  X(decode_fp8)            \
+  X(prefill_kv_cache)            \
+  X(prefill_ds_mla)              \
+  X(prefill_fp8)                 \
+  X(decode_kv_cache)             \
+  X(decode_fp8)                  \
   X(decode_ds_mla)
 
 enum class Op {
@@ -34,8 +35,8 @@ enum class Op {
 // The per-head rows each op writes, in order, as compile-time shapes: the chunks read from the
 // row's nope and pe sources, whether it is stored as E4M3, and whether its pe source is one row
 // shared by all heads (prefill's k_pe: the CUDA kernel then rotates it once per token and chunk,
-// not once per head). make_epilogue_plan fills its RowSpecs from these; the CUDA kernel is compiled for
-// each.
+// not once per head). make_epilogue_plan fills its RowSpecs from these; the CUDA kernel is
+// compiled for each.
 struct RowShape {
   int nope_chunks = 0, pe_chunks = 0;
   bool fp8 = false;
@@ -149,10 +150,11 @@ inline RowSpec row_spec(const RowShape& shape, Strided<const uint16_t> nope, Str
 // Optional int64 attributes k_nope_col, v_col, k_pe_col, q_pe_col: that input is a wider tensor
 // whose columns [col, col + width) are read (e.g. k_nope and v straight from kv_b_proj's output).
 // Optional string attribute rope_style: "gptj" (the default when absent) or "neox".
-// kv_cache [N, bs, W]: W may exceed the entry (576 elements, 656 bytes for ds_mla) when a row is a
-// multiple of 16 bytes; entries go to the first columns of their row, the rest is never written.
+// kv_cache [N, bs, W], or a stack [..., N, bs, W]: W may exceed the entry (576 elements, 656
+// bytes for ds_mla) when a row is a multiple of 16 bytes; entries go to the first columns of their
+// row, the rest is never written.
 inline ffi::Error make_epilogue_plan(Op op, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                            ffi::Dictionary attrs, Plan& plan) {
+                                     ffi::Dictionary attrs, Plan& plan) {
   const bool prefill = op == Op::prefill_kv_cache || op == Op::prefill_ds_mla || op == Op::prefill_fp8;
   const bool fp8_prefill = op == Op::prefill_fp8;
   const size_t num_in = 8 + (fp8_prefill ? 5 : 0) + (op == Op::decode_fp8 ? 2 : 0);
