@@ -30,8 +30,9 @@ def epilogue_batch(fmt, rope=True, **case):
     return cases, batched, shared
 
 
-def vmapped(fmt, in_axes=(0, None)):
-    return jax.jit(jax.vmap(lambda b, s: invoke(jax_kimi_mla, fmt, {**b, **s}), in_axes=in_axes))
+def vmapped(fmt):
+    """The op of ``fmt`` vmapped over its batched inputs (the first dict), the shared ones apart."""
+    return jax.jit(jax.vmap(lambda b, s: invoke(jax_kimi_mla, fmt, {**b, **s}), in_axes=(0, None)))
 
 
 def check_against_one_by_one(fmt, got, cases, backend):
