@@ -36,6 +36,13 @@
 // 1.306 us a tile (2285 cycles), HBM 1.482 us, 3283 GB/s of tiles (77% of the ceiling: slower a
 // tile than fp8_ds_mla's with fewer bytes, so no faster than fp8_attention_kernel's 72%).
 //
+// -DJKM_RS_FP8_SS (plain fp8 under an E4M3 query, docs/DECODE_ATTENTION.md, "Open targets"): S^T
+// from shared memory on both sides, E4M3 x E4M3 (wgmma m64n16k32, 18 k-steps in one group, no
+// conversion, no A loads), the tile laid out as tensor-map boxes would land it (columns 0-511 in
+// four 128-byte-swizzled chunks, 512-575 in one 64-byte-swizzled chunk; -DJKM_RS_PE_SW128 pads that
+// chunk to 128-byte rows, the layout wgmma_layouts.cu checks); P.V as the fp8 variant's, its loads
+// at the swizzled places (conflict-free).
+//
 //   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I ffi/include -o /tmp/ds_rs \
 //       benchmarks/probes/ds_rs_tile_loop.cu && /tmp/ds_rs
 #include <cuda_fp16.h>
@@ -60,18 +67,39 @@ namespace {
 // -DJKM_RS_FP8: the plain fp8 cache instead (576 E4M3 codes a token, the rope columns too, no
 // scales): one accumulator chain of 36 k-steps, one P tile, S^T's two tokens of a quarter-warp
 // adjacent (576 = 64 mod 128); P.V's loads are then 2-way conflicted (tokens 2 apart share banks).
+#if defined(JKM_RS_FP8_SS) && !defined(JKM_RS_FP8)
+#define JKM_RS_FP8
+#endif
 #ifdef JKM_RS_FP8
 constexpr bool kFp8 = true;
 #else
 constexpr bool kFp8 = false;
 #endif
+#ifdef JKM_RS_FP8_SS
+constexpr bool kSs = true;
+#else
+constexpr bool kSs = false;
+#endif
+#ifdef JKM_RS_PE_SW128
+constexpr int kPeRowBytes = 128;  // the rope chunk's rows padded to 128 bytes, 128-byte swizzled
+#else
+constexpr int kPeRowBytes = 64;   // 64-byte rows, 64-byte swizzled
+#endif
 constexpr int kLatent = 512, kPe = 64, kTokens = 64, kRows = 16, kEntry = kFp8 ? 576 : 656;
 constexpr int kScaleAt = 512, kPeAt = 528;               // bytes into an entry (fp8_ds_mla)
 constexpr int kCodeGroups = kFp8 ? 9 : 8;                // 64-code groups of S^T
 constexpr int kPTiles = kFp8 ? 1 : 4;                    // P'_j tiles (one per scale tile)
-constexpr int kTileBytes = kTokens * kEntry;             // 41,984 = 41 x 1024 (fp8: 36 x 1024)
+// kSs: the layout of a tile (kTokens rows) or of the query (kRows rows) in 16-byte pieces.
+__host__ __device__ constexpr int ss_offset(int rows, int row, int col) {
+  if (col < 512) return (col >> 7) * rows * 128 + row * 128 + ((((col & 127) >> 4) ^ (row & 7)) << 4) + (col & 15);
+  const int swizzle = kPeRowBytes == 128 ? (row & 7) : ((row >> 1) & 3);
+  return 4 * rows * 128 + row * kPeRowBytes + ((((col - 512) >> 4) ^ swizzle) << 4) + (col & 15);
+}
+constexpr int kTileBytes = kSs ? ss_offset(kTokens, 0, 512) + kTokens * kPeRowBytes
+                               : kTokens * kEntry;       // 41,984 = 41 x 1024 (fp8: 36 x 1024)
 constexpr int kStages = 4;
-constexpr int kQBytes = kCodeGroups * kRows * 128;       // 16,384: 8 chunks of 16 rows x 64 f16 (fp8: 9)
+constexpr int kQBytes = kSs ? ss_offset(kRows, 0, 512) + kRows * kPeRowBytes  // E4M3 codes
+                            : kCodeGroups * kRows * 128;  // 16,384: 8 chunks of 16 rows x 64 f16 (fp8: 9)
 constexpr int kQpeBytes = kRows * 128;                   // 2,048
 constexpr int kPBytes = kRows * 128;                     // 2,048: 16 rows x 64 tokens, f16
 #ifndef JKM_RS_GROUPS
@@ -200,11 +228,29 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     // S^T: the latent, group G = columns 64G .. 64G + 63 (k-steps 4G .. 4G + 3, column tile G / 2).
     float acc[(kCodeGroups + 1) / 2][8], acc_pe[8];
-    uint32_t a[2][16];
-    uint4 r0 = *reinterpret_cast<const uint4*>(row0 + 16 * c);
-    uint4 r1 = *reinterpret_cast<const uint4*>(row1 + 16 * c);
+    if constexpr (kSs) {
+      // k-step s: 32 codes at 32 (s % 4) of chunk s / 4's rows. One accumulator a chunk: the
+      // tensor cores' fp8 sums keep about 2^-11 of their largest term (wgmma_layouts.cu), so the
+      // chunks are added in float32 below.
 #pragma unroll
-    for (int G = 0; G < kCodeGroups; ++G) {
+      for (int j = 0; j < 5; ++j) pin(acc[j]);
+      wgmma_fence();
+#pragma unroll
+      for (int step = 0; step < 18; ++step) {
+        const int chunk = step / 4, at = 32 * (step % 4), sw = chunk < 4 ? 128 : kPeRowBytes;
+        wgmma_e4m3(acc[chunk], descriptor(tile + ss_offset(kTokens, 0, 128 * chunk) + at, 16, 8 * sw, sw),
+                   descriptor(q_tile + ss_offset(kRows, 0, 128 * chunk) + at, 16, 8 * sw, sw), step % 4 != 0);
+      }
+      wgmma_commit();
+    }
+    uint32_t a[2][16];
+    uint4 r0 = make_uint4(0, 0, 0, 0), r1 = r0;
+    if constexpr (!kSs) {
+      r0 = *reinterpret_cast<const uint4*>(row0 + 16 * c);
+      r1 = *reinterpret_cast<const uint4*>(row1 + 16 * c);
+    }
+#pragma unroll
+    for (int G = 0; G < (kSs ? 0 : kCodeGroups); ++G) {
       const uint4 x0 = r0, x1 = r1;
       if (G + 1 < kCodeGroups) {
         r0 = *reinterpret_cast<const uint4*>(row0 + 64 * (G + 1) + 16 * c);
@@ -334,9 +380,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int e = 0; e < 2; ++e)
 #pragma unroll
         for (int ff = 0; ff < 2; ++ff) {
-          const uint8_t* row = tile + (16 * ks + 2 * c + e + 8 * ff) * kEntry + 32 * w + 4 * g;
+          const int token = 16 * ks + 2 * c + e + 8 * ff;
+          const uint8_t* row = tile + token * kEntry + 32 * w + 4 * g;
 #pragma unroll
-          for (int j = 0; j < 4; ++j) v[j][e][ff] = *reinterpret_cast<const uint32_t*>(row + 128 * j);
+          for (int j = 0; j < 4; ++j)
+            v[j][e][ff] = *reinterpret_cast<const uint32_t*>(
+                kSs ? tile + ss_offset(kTokens, token, 128 * j + 32 * w + 4 * g) : row + 128 * j);
         }
       uint32_t(&f)[8][4] = va[ks & 1];
 #pragma unroll
@@ -448,10 +497,20 @@ int main() {
       k_pe[size_t(t) * kPe + i] = bf16_value(h);
     }
   }
-  // The query: bf16 values (f16-exact), spread so that the logits' spread is about 2.5.
+  // The query: bf16 values (f16-exact), spread so that the logits' spread is about 2.5 (kSs: E4M3
+  // codes, their values).
   std::vector<float> q(kRows * kLatent), qp(kRows * kPe);
-  for (auto& x : q) x = bf16_value(to_bf16(2.5f * normal(rng)));
-  for (auto& x : qp) x = bf16_value(to_bf16(2.5f * normal(rng)));
+  std::vector<uint8_t> q_codes(kRows * kEntry);
+  for (int i = 0; i < kRows * (kLatent + kPe); ++i) {
+    float& x = i < kRows * kLatent ? q[i] : qp[i - kRows * kLatent];
+    x = bf16_value(to_bf16(2.5f * normal(rng)));
+    if (!kSs) continue;
+    const int r = i < kRows * kLatent ? i / kLatent : (i - kRows * kLatent) / kPe;
+    const int col = i < kRows * kLatent ? i % kLatent : kLatent + (i - kRows * kLatent) % kPe;
+    const uint8_t code = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+    q_codes[r * kEntry + col] = code;
+    x = e4m3_value(code);
+  }
   const float softmax_scale = 1.0f / 24.0f;
   // Q^T as the B operand, its columns in the A fragments' order: latent k-step s = 4G + j at
   // position 2c + (i & 1) + 8 (i >> 1) holds column 64G + 16c + 4j + i; k_pe k-step 2h + kk at
@@ -460,7 +519,9 @@ int main() {
   auto put = [](uint8_t* tile, int row, int k, uint16_t bits) {
     std::memcpy(tile + swizzled(row, k / 8, kRows) + 2 * (k % 8), &bits, 2);
   };
-  for (int r = 0; r < kRows; ++r) {
+  for (int r = 0; r < kRows && kSs; ++r)
+    for (int col = 0; col < kEntry; ++col) q_tile[ss_offset(kRows, r, col)] = q_codes[r * kEntry + col];
+  for (int r = 0; r < kRows && !kSs; ++r) {
     for (int G = 0; G < kCodeGroups; ++G)  // (fp8: group 8 is the rope columns)
       for (int cc = 0; cc < 4; ++cc)
         for (int j = 0; j < 4; ++j)
@@ -499,6 +560,13 @@ int main() {
     }
   }
 
+  if (kSs) {  // each tile as its boxes would land (the padding of -DJKM_RS_PE_SW128 zero)
+    std::vector<uint8_t> laid(size_t(kCheckTiles) * kTileBytes, 0);
+    for (int t = 0; t < n; ++t)
+      for (int col = 0; col < kEntry; ++col)
+        laid[size_t(t / kTokens) * kTileBytes + ss_offset(kTokens, t % kTokens, col)] = tiles[size_t(t) * kEntry + col];
+    tiles = laid;
+  }
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   constexpr int kHbmTiles = 64;  // per CTA, each its own: 132 x 64 x 41 KB = 355 MB on an H200
@@ -541,8 +609,10 @@ int main() {
   }
   // P' is rounded to f16 (2^-11 relative) before P.V; the output is a weighted mean.
   const bool pass = worst <= 1e-2 * size;
-  std::printf("%s register-A tile loop, %d tokens, output vs float64 reference: %s (max |error| %.3g, max |value| %.3g)\n",
-              kFp8 ? "fp8" : "ds_mla", n, pass ? "PASS" : "FAIL", worst, size);
+  std::printf("%s tile loop, %d tokens, output vs float64 reference: %s (max |error| %.3g, max |value| %.3g)\n",
+              kSs ? (kPeRowBytes == 64 ? "fp8 S^T E4M3 from shared memory" : "fp8 S^T E4M3 from shared memory, rope rows 128 B")
+                  : kFp8 ? "fp8 register-A" : "ds_mla register-A",
+              n, pass ? "PASS" : "FAIL", worst, size);
 
   cudaEvent_t t0, t1;
   cudaEventCreate(&t0), cudaEventCreate(&t1);

@@ -17,11 +17,12 @@ __host__ __device__ inline int swizzled(int row, int piece, int rows) {
 
 __device__ inline uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
-// A shared-memory matrix descriptor: start, leading and stride byte offsets, 128-byte swizzle.
-__device__ inline uint64_t descriptor(const void* smem, uint32_t lbo, uint32_t sbo) {
+// A shared-memory matrix descriptor: start, leading and stride byte offsets, and the swizzle
+// (128 or 64 bytes: layout types 1 and 2).
+__device__ inline uint64_t descriptor(const void* smem, uint32_t lbo, uint32_t sbo, int swizzle_bytes = 128) {
   const uint32_t addr = smem_addr(smem);
   return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t((lbo & 0x3FFFF) >> 4) << 16) |
-         (uint64_t((sbo & 0x3FFFF) >> 4) << 32) | (uint64_t(1) << 62);
+         (uint64_t((sbo & 0x3FFFF) >> 4) << 32) | (uint64_t(swizzle_bytes == 64 ? 2 : 1) << 62);
 }
 
 // D[64 x 16] (+)= A B, bf16 operands, A K-major or, with kTransA, MN-major.
