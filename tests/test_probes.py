@@ -23,6 +23,9 @@ VARIANTS = {
     "decode_attention.cu": ("decode_attention.cu", ["-DJKM_SM90A_BUILT"]),
     "decode_attention.cu[phases]": ("decode_attention.cu", ["-DJKM_SM90A_BUILT", "-DJKM_PHASE_STAMPS"]),
     "ds_rs_tile_loop.cu[fp8]": ("ds_rs_tile_loop.cu", ["-DJKM_RS_FP8"]),
+    # S^T from shared memory under an E4M3 query; the rope chunk 64- or 128-byte swizzled.
+    "ds_rs_tile_loop.cu[fp8-ss]": ("ds_rs_tile_loop.cu", ["-DJKM_RS_FP8_SS"]),
+    "ds_rs_tile_loop.cu[fp8-ss-pe128]": ("ds_rs_tile_loop.cu", ["-DJKM_RS_FP8_SS", "-DJKM_RS_PE_SW128"]),
 }
 BUILDS = {p.name: (p.name, []) for p in PROBES.glob("*.cu")} | VARIANTS
 
