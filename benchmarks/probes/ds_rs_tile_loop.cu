@@ -373,6 +373,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // O^T += V^T P'^T: k-step ks takes tokens 16 ks + 2c + e + 8f; a thread's column word of
     // tile j is at 128 j + 32 w + 4 g (byte b: block 2j + (b >> 1), row half b & 1).
     uint32_t va[2][8][4];
+    const uint8_t* ss_mine[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) ss_mine[e] = tile + ss_offset(kTokens, 2 * c + e, 32 * w + 4 * g);
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       uint32_t v[4][2][2];  // [column tile][e][f]
@@ -381,11 +384,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int ff = 0; ff < 2; ++ff) {
           const int token = 16 * ks + 2 * c + e + 8 * ff;
-          const uint8_t* row = tile + token * kEntry + 32 * w + 4 * g;
+          // kSs: the token's row & 7 is 2c + e, so its swizzled place is ss_mine[e] + the
+          // offsets of ks, ff and j (immediates).
+          const uint8_t* row = kSs ? ss_mine[e] + (16 * ks + 8 * ff) * 128 : tile + token * kEntry + 32 * w + 4 * g;
 #pragma unroll
           for (int j = 0; j < 4; ++j)
-            v[j][e][ff] = *reinterpret_cast<const uint32_t*>(
-                kSs ? tile + ss_offset(kTokens, token, 128 * j + 32 * w + 4 * g) : row + 128 * j);
+            v[j][e][ff] = *reinterpret_cast<const uint32_t*>(row + (kSs ? j * kTokens * 128 : 128 * j));
         }
       uint32_t(&f)[8][4] = va[ks & 1];
 #pragma unroll
