@@ -5,6 +5,7 @@
 #                           [bench] [bench-quick] [attn-bench] [attn-bench-quick] [prefill-test]
 #                           [prefill-bench] [prefill-bench-quick] [serve-h200] [ncu] [attn-ncu]
 #                           [soft-fp8] [wheel] [gather-probe] [attn-probe] [attn-phases] [attn-pdl]
+#                           [rs-probe]
 # Logs and a tarball of benchmarks/results go to $OUT (or ./h200-out).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -153,6 +154,17 @@ for s in $stages; do
           JAX_KIMI_MLA_DECODE_PDL=\$([ \$tag = B ] && echo 1 || echo 0) python3 -P benchmarks/points.py --tag \$tag --kernels \
             --attention '$points'
         done" ;;
+    rs-probe)
+      # rs's tile loop alone (benchmarks/probes/ds_rs_tile_loop.cu, no extension build, about 1 min):
+      # fp8_ds_mla, plain fp8 with A from registers, and plain fp8 with S^T from shared memory
+      # (E4M3 x E4M3; the rope chunk 64- or 128-byte swizzled), each checked against a float64
+      # reference and timed from L2 and from HBM, twice.
+      bin=$(mktemp -d)
+      rs_build() { nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I ffi/include "${@:2}" -o "$bin/$1" \
+                     benchmarks/probes/ds_rs_tile_loop.cu 2>&1 | grep -E " error"; }
+      rs_build ds & rs_build fp8 -DJKM_RS_FP8 & rs_build fp8-ss -DJKM_RS_FP8_SS &
+      rs_build fp8-ss-pe128 -DJKM_RS_FP8_SS -DJKM_RS_PE_SW128 & wait
+      for name in ds fp8 fp8-ss fp8-ss-pe128 ds fp8 fp8-ss fp8-ss-pe128; do stage "rs-probe-$name" "$bin/$name"; done ;;
     attn-probe|attn-phases)
       # The decode attention kernels alone (no extension build; benchmarks/probes/decode_attention.cu).
       # attn-probe: the JAX_KIMI_MLA_DECODE_KERNEL choices mma, default and rs on the same inputs,

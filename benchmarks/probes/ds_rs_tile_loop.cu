@@ -36,12 +36,12 @@
 // 1.306 us a tile (2285 cycles), HBM 1.482 us, 3283 GB/s of tiles (77% of the ceiling: slower a
 // tile than fp8_ds_mla's with fewer bytes, so no faster than fp8_attention_kernel's 72%).
 //
-// -DJKM_RS_FP8_SS (plain fp8 under an E4M3 query, docs/DECODE_ATTENTION.md, "Open targets"): S^T
-// from shared memory on both sides, E4M3 x E4M3 (wgmma m64n16k32, 18 k-steps in one group, no
-// conversion, no A loads), the tile laid out as tensor-map boxes would land it (columns 0-511 in
-// four 128-byte-swizzled chunks, 512-575 in one 64-byte-swizzled chunk; -DJKM_RS_PE_SW128 pads that
-// chunk to 128-byte rows, the layout wgmma_layouts.cu checks); P.V as the fp8 variant's, its loads
-// at the swizzled places (conflict-free).
+// -DJKM_RS_FP8_SS (plain fp8 under an E4M3 query, docs/DECODE_ATTENTION.md, "Twenty-third
+// round"): S^T from shared memory on both sides, E4M3 x E4M3 (wgmma m64n16k32, 18 k-steps in one
+// group, no conversion, no A loads), the tile laid out as tensor-map boxes would land it (columns
+// 0-511 in four 128-byte-swizzled chunks, 512-575 in one 64-byte-swizzled chunk; -DJKM_RS_PE_SW128
+// pads that chunk to 128-byte rows, the layout wgmma_layouts.cu checks); P.V as the fp8 variant's,
+// its loads at the swizzled places (conflict-free). `bash benchmarks/h200.sh rs-probe` runs them all.
 //
 //   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I ffi/include -o /tmp/ds_rs \
 //       benchmarks/probes/ds_rs_tile_loop.cu && /tmp/ds_rs
