@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jax_kimi_mla import _ffi
+from jax_kimi_mla.formats import EPILOGUES
 
 BF16 = jnp.bfloat16
 NO_SCALE = np.zeros((0,), np.float32)
@@ -74,8 +75,14 @@ def test_malformed_epilogue_call_fails_with_the_handlers_message():
     """decode_kv_cache with kv_c_normed of the wrong width (operand 2)."""
     operands = [np.zeros((2, 3, 512), BF16), np.zeros((2, 3, 64), BF16), np.zeros((2, 500), BF16), np.zeros((2, 64), BF16),
                 np.zeros((4, 2, 576), BF16), np.zeros(2, np.int32), np.zeros((0,), np.int32), np.zeros((0, 64), np.float32)]
-    with pytest.raises(jax.errors.JaxRuntimeError, match="jax_kimi_mla: kv_c_normed must be"):
+    with pytest.raises(jax.errors.JaxRuntimeError, match="jax_kimi_mla decode_kv_cache: kv_c_normed must be"):
         raw_call("decode_kv_cache", operands, [((2, 3, 576), BF16), ((4, 2, 576), BF16)])
+
+
+@pytest.mark.parametrize("target", [e.target for e in EPILOGUES.values()])
+def test_every_epilogue_handler_names_its_target(target):
+    with pytest.raises(jax.errors.JaxRuntimeError, match=f"jax_kimi_mla {target}: wrong number of operands"):
+        raw_call(target, [np.zeros(2, np.int32)], [((2,), np.int32)])
 
 
 def _decode_kv_cache(cache_shape=(4, 2, 576), rope=False, **attrs):
@@ -89,12 +96,12 @@ def _decode_kv_cache(cache_shape=(4, 2, 576), rope=False, **attrs):
 
 @pytest.mark.parametrize("style", ["NeoX", ""])
 def test_epilogue_handler_rejects_an_unknown_rope_style(style):
-    with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape('jax_kimi_mla: rope_style must be the string "gptj" or "neox"')):
+    with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape('jax_kimi_mla decode_kv_cache: rope_style must be the string "gptj" or "neox"')):
         _decode_kv_cache(rope=True, rope_style=style)
 
 
 def test_epilogue_handler_rejects_misaligned_cache_rows():
-    with pytest.raises(jax.errors.JaxRuntimeError, match="jax_kimi_mla: kv_cache rows must hold an entry and be a multiple of 16 bytes"):
+    with pytest.raises(jax.errors.JaxRuntimeError, match="jax_kimi_mla decode_kv_cache: kv_cache rows must hold an entry and be a multiple of 16 bytes"):
         _decode_kv_cache(cache_shape=(4, 2, 580))
 
 

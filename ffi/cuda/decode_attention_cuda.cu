@@ -134,8 +134,7 @@ namespace {
 // ---- Host side ----
 
 ffi::Error cuda_error(const char* what, cudaError_t err) {
-  return ffi::Error::Internal(std::string("jax_kimi_mla mla_decode_attention: ") + what + ": " +
-                              cudaGetErrorString(err));
+  return internal_error(kDecodeAttentionTarget, std::string(what) + ": " + cudaGetErrorString(err));
 }
 
 // The driver's tensor-map encoder, looked up once.
@@ -157,11 +156,10 @@ ffi::Error make_tile_maps(const DecodeAttention& a, TileMaps& maps) {
   const int64_t rows = a.num_blocks * a.block_size;
   if (rows == 0) return ffi::Error::Success();
   if (rows > INT32_MAX)  // box coordinates are int32
-    return ffi::Error::InvalidArgument(
-        "jax_kimi_mla mla_decode_attention: a 16-bit cache of more than 2^31 - 1 rows");
+    return invalid_argument(kDecodeAttentionTarget, "a 16-bit cache of more than 2^31 - 1 rows");
   const auto encode = tensor_map_encoder();
   if (encode == nullptr)
-    return ffi::Error::Internal("jax_kimi_mla mla_decode_attention: the CUDA driver has no cuTensorMapEncodeTiled");
+    return internal_error(kDecodeAttentionTarget, "the CUDA driver has no cuTensorMapEncodeTiled");
   const cuuint64_t dims[2] = {cuuint64_t(kEntry), cuuint64_t(rows)};
   const cuuint64_t strides[1] = {cuuint64_t(a.row_bytes)};
   const cuuint32_t elem_strides[2] = {1, 1};
@@ -171,8 +169,7 @@ ffi::Error make_tile_maps(const DecodeAttention& a, TileMaps& maps) {
                               box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS)
-      return ffi::Error::Internal("jax_kimi_mla mla_decode_attention: cuTensorMapEncodeTiled failed (CUresult " +
-                                  std::to_string(int(r)) + ")");
+      return internal_error(kDecodeAttentionTarget, "cuTensorMapEncodeTiled failed (CUresult " + std::to_string(int(r)) + ")");
   }
   return ffi::Error::Success();
 }
@@ -340,17 +337,16 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a) {
   int device = 0, major = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major < 9)
-    return ffi::Error::InvalidArgument(
-        "jax_kimi_mla mla_decode_attention: the CUDA kernel needs an sm_90+ GPU (Hopper or newer); on this "
-        "GPU use jax_kimi_mla.reference.mla_decode_attention");
+    return invalid_argument(kDecodeAttentionTarget,
+                            "the CUDA kernel needs an sm_90+ GPU (Hopper or newer); on this GPU use "
+                            "jax_kimi_mla.reference.mla_decode_attention");
   const int64_t rows = a.rows();
   const std::string choice = kernel_choice();
   const DecodeKernel kernel = choose_kernel(a, major, choice);
   const int64_t rows_per_cta = kernel == DecodeKernel::kWide ? kWideRows : kTileRows;
   const int64_t row_groups = (rows + rows_per_cta - 1) / rows_per_cta;
   if (row_groups > kMaxGridYZ)
-    return ffi::Error::InvalidArgument(
-        "jax_kimi_mla mla_decode_attention: too many query rows (S_q * H)");
+    return invalid_argument(kDecodeAttentionTarget, "too many query rows (S_q * H)");
   // Grid z (y for the combine) holds at most 65535 sequences; the kernels loop over the rest.
   const unsigned batch_blocks = unsigned(a.batch < kMaxGridYZ ? a.batch : kMaxGridYZ);
   const dim3 grid(unsigned(a.num_splits), unsigned(row_groups), batch_blocks);
@@ -423,8 +419,7 @@ ffi::Error decode_attention_handler(cudaStream_t stream, ffi::AnyBuffer q, ffi::
   // cp.async moves 16-byte chunks; q is read in 16-byte (8-byte for fp8) chunks.
   if (reinterpret_cast<uintptr_t>(a.cache) % 16 != 0 || a.row_bytes % 16 != 0 ||
       reinterpret_cast<uintptr_t>(a.q) % 16 != 0)
-    return ffi::Error::InvalidArgument(
-        "jax_kimi_mla mla_decode_attention: kv_cache, its rows and q must be 16-byte aligned");
+    return invalid_argument(kDecodeAttentionTarget, "kv_cache, its rows and q must be 16-byte aligned");
   return run(stream, a);
 }
 

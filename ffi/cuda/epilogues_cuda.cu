@@ -355,8 +355,8 @@ __global__ void __launch_bounds__(kMaxThreads)
   dispatch_part<op, kRopeOn, kStyle, kAct, kRowLanes>(e, plan, group_start, int(blockIdx.x));
 }
 
-ffi::Error cuda_error(const char* what, cudaError_t err) {
-  return ffi::Error::Internal(std::string("jax_kimi_mla: ") + what + ": " + cudaGetErrorString(err));
+ffi::Error cuda_error(Op op, const char* what, cudaError_t err) {
+  return internal_error(target_name(op), std::string(what) + ": " + cudaGetErrorString(err));
 }
 
 // Whether a call of `tokens` tokens and `heads` heads has more lanes than about one wave of a GPU
@@ -428,7 +428,7 @@ ffi::Error launch(cudaStream_t stream, const Epilogue& e) {
   int device = 0, sm_count = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-    return cuda_error("reading the GPU's SM count", cudaGetLastError());
+    return cuda_error(op, "reading the GPU's SM count", cudaGetLastError());
   const bool streaming = call_streams<op, kRopeOn, kStyle>(e.heads, e.tokens, sm_count);
   constexpr int kStreamLanes = P::stream_row_lanes();
   const int row_lanes = streaming ? kStreamLanes : kLanesPerThread;
@@ -446,9 +446,9 @@ ffi::Error launch(cudaStream_t stream, const Epilogue& e) {
       too_large |= stride < 0 || e.heads * (stride + kEntry) > INT32_MAX;
   }
   if (too_large)
-    return ffi::Error::InvalidArgument("jax_kimi_mla: problem too large for one launch");
+    return invalid_argument(target_name(op), "problem too large for one launch");
   if (reinterpret_cast<uintptr_t>(e.cos_sin) % 16 != 0)  // read as float4 rows
-    return ffi::Error::InvalidArgument("jax_kimi_mla: cos_sin_cache is not 16-byte aligned");
+    return invalid_argument(target_name(op), "cos_sin_cache is not 16-byte aligned");
   const dim3 grid{unsigned(blocks), unsigned(grid_y), unsigned(grid_z)};
   if (row_lanes == kLanesPerThread)
     epilogue_kernel<op, kRopeOn, kStyle, kAct, kLanesPerThread><<<grid, threads, 0, stream>>>(e, plan);
@@ -469,7 +469,7 @@ ffi::Error run(cudaStream_t stream, const Plan& plan) {
   for (int i = 0; i < plan.num_copies; ++i) {
     const Copy& c = plan.copies[i];
     cudaError_t err = cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDeviceToDevice, stream);
-    if (err != cudaSuccess) return cuda_error("copying an un-aliased output", err);
+    if (err != cudaSuccess) return cuda_error(op, "copying an un-aliased output", err);
   }
   const Epilogue& e = plan.e;
   if (e.tokens > 0) {
@@ -479,7 +479,7 @@ ffi::Error run(cudaStream_t stream, const Plan& plan) {
     if (err.failure()) return err;
   }
   cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? ffi::Error::Success() : cuda_error("kernel launch", err);
+  return err == cudaSuccess ? ffi::Error::Success() : cuda_error(op, "kernel launch", err);
 }
 
 template <Op op>

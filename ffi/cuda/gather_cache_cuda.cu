@@ -101,7 +101,7 @@ template <CacheFormat kFormat, ActType kCache16, OutType kOut>
 ffi::Error launch(cudaStream_t stream, const GatherCache& g) {
   const int64_t blocks = (g.num_tokens + kBlockRows - 1) / kBlockRows;
   if (blocks > 0x7FFFFFFF)
-    return ffi::Error::InvalidArgument("jax_kimi_mla gather_mla_cache: num_tokens is too large for one launch");
+    return invalid_argument(kGatherTarget, "num_tokens is too large for one launch");
   gather_kernel<kFormat, kCache16, kOut><<<unsigned(blocks), kThreads, 0, stream>>>(g);
   return ffi::Error::Success();
 }
@@ -113,15 +113,13 @@ ffi::Error handler(cudaStream_t stream, ffi::AnyBuffer cache, ffi::AnyBuffer tab
     return err;
   if (g.num_tokens == 0) return ffi::Error::Success();
   if (reinterpret_cast<uintptr_t>(g.cache) % 16 != 0 || reinterpret_cast<uintptr_t>(g.out) % 16 != 0)
-    return ffi::Error::InvalidArgument("jax_kimi_mla gather_mla_cache: buffers must be 16-byte aligned");
+    return invalid_argument(kGatherTarget, "buffers must be 16-byte aligned");
   const ffi::Error err = launch_instance(g, [&](auto format, auto cache16, auto out) {
     return launch<format.value, cache16.value, out.value>(stream, g);
   });
   if (err.failure()) return err;
   const cudaError_t launched = cudaGetLastError();
-  return launched == cudaSuccess
-             ? ffi::Error::Success()
-             : ffi::Error::Internal(std::string("jax_kimi_mla gather_mla_cache: ") + cudaGetErrorString(launched));
+  return launched == cudaSuccess ? ffi::Error::Success() : internal_error(kGatherTarget, cudaGetErrorString(launched));
 }
 
 }  // namespace

@@ -244,7 +244,7 @@ ffi::Error launch_instance(const GatherCache& g, Launch&& launch) {
       case OutType::kF16: return launch(format, cache16, Tag<OutType::kF16>{});
       case OutType::kF32: return launch(format, cache16, Tag<OutType::kF32>{});
     }
-    return ffi::Error::Internal("jax_kimi_mla gather_mla_cache: unknown output type");
+    return internal_error(kGatherTarget, "unknown output type");
   };
   switch (g.cache_format) {
     case CacheFormat::kBf16:
@@ -253,7 +253,7 @@ ffi::Error launch_instance(const GatherCache& g, Launch&& launch) {
     case CacheFormat::kFp8: return with_out(Tag<CacheFormat::kFp8>{}, Tag<ActType::kBF16>{});
     case CacheFormat::kFp8DsMla: return with_out(Tag<CacheFormat::kFp8DsMla>{}, Tag<ActType::kBF16>{});
   }
-  return ffi::Error::Internal("jax_kimi_mla gather_mla_cache: unknown cache format");
+  return internal_error(kGatherTarget, "unknown cache format");
 }
 
 }  // namespace jax_kimi_mla

@@ -67,7 +67,9 @@ struct DecodeAttention : PagedCache {
 };
 
 // ---- FFI operands -> DecodeAttention (host) ----
-//
+
+constexpr std::string_view kDecodeAttentionTarget = "mla_decode_attention";  // as errors name it
+
 // Operands: q act|f8 [B * S_q, H, 576]; kv_cache act|f8|u8 [N, bs, W]; block_tables idx [B,
 // max_blocks]; context_lens idx [B]; q_scale_inv f32 [1] or [0]; cache_scale_inv f32 [1] or [0].
 // Results: out act [B * S_q, H, 512]; lse f32 [B * S_q, H]; partials f32 [num_splits * B * S_q *
@@ -83,9 +85,7 @@ inline ffi::Error make_decode_attention(ffi::AnyBuffer q, ffi::AnyBuffer cache,
                                         ffi::AnyBuffer partials, float softmax_scale,
                                         int64_t q_tokens, int64_t num_splits,
                                         DecodeAttention& a) {
-  const auto fail = [](const char* what) {
-    return ffi::Error::InvalidArgument(std::string("jax_kimi_mla mla_decode_attention: ") + what);
-  };
+  const auto fail = [](std::string_view what) { return invalid_argument(kDecodeAttentionTarget, what); };
   using T = ffi::DataType;
   const auto qd = q.dimensions();
   if (q_tokens < 1 || q_tokens > kMaxQueryTokens) return fail("q_tokens (S_q) must be 1..4");

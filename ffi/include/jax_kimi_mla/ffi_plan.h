@@ -11,11 +11,9 @@
 #include <vector>
 
 #include "jax_kimi_mla/epilogue.h"
-#include "xla/ffi/api/ffi.h"
+#include "jax_kimi_mla/ffi_common.h"
 
 namespace jax_kimi_mla {
-
-namespace ffi = xla::ffi;
 
 // The epilogue FFI targets, one per kernel (ffi/module.cc adds the cache readers).
 #define JKM_FOR_EACH_EPILOGUE(X) \
@@ -31,6 +29,18 @@ enum class Op {
   JKM_FOR_EACH_EPILOGUE(JKM_OP_ENUM)
 #undef JKM_OP_ENUM
 };
+
+// The FFI target of an op, as its errors name it.
+constexpr std::string_view target_name(Op op) {
+  switch (op) {
+#define JKM_OP_NAME(name) \
+  case Op::name:          \
+    return #name;
+    JKM_FOR_EACH_EPILOGUE(JKM_OP_NAME)
+#undef JKM_OP_NAME
+  }
+  return "epilogue";
+}
 
 // The per-head rows each op writes, in order, as compile-time shapes: the chunks read from the
 // row's nope and pe sources, whether it is stored as E4M3, and whether its pe source is one row
@@ -92,11 +102,12 @@ struct Plan {
 
 namespace detail {
 
-// Collects the first failed check; later checks are skipped.
+// Collects the first failed check of an op's operands; later checks are skipped.
 class Checker {
  public:
+  explicit Checker(Op op) : op_(op) {}
   bool ok() const { return message_.empty(); }
-  ffi::Error error() const { return ffi::Error::InvalidArgument("jax_kimi_mla: " + message_); }
+  ffi::Error error() const { return invalid_argument(target_name(op_), message_); }
   void expect(bool condition, const char* what) {
     if (ok() && !condition) message_ = what;
   }
@@ -108,11 +119,10 @@ class Checker {
   }
 
  private:
+  Op op_;
   std::string message_;
 };
 
-inline bool is_act(ffi::DataType t) { return t == ffi::DataType::BF16 || t == ffi::DataType::F16; }
-inline bool is_index(ffi::DataType t) { return t == ffi::DataType::S32 || t == ffi::DataType::S64; }
 inline const uint16_t* act_ptr(const ffi::AnyBuffer& b) {
   return static_cast<const uint16_t*>(b.untyped_data());
 }
@@ -160,7 +170,7 @@ inline ffi::Error make_epilogue_plan(Op op, ffi::RemainingArgs args, ffi::Remain
   const size_t num_in = 8 + (fp8_prefill ? 5 : 0) + (op == Op::decode_fp8 ? 2 : 0);
   const size_t num_out = fp8_prefill ? 4 : (prefill ? 3 : 2);
   if (args.size() != num_in || rets.size() != num_out)
-    return ffi::Error::InvalidArgument("jax_kimi_mla: wrong number of operands");
+    return invalid_argument(target_name(op), "wrong number of operands");
 
   std::vector<ffi::AnyBuffer> in, out;
   for (size_t i = 0; i < num_in; ++i) {
@@ -183,9 +193,9 @@ inline ffi::Error make_epilogue_plan(Op op, ffi::RemainingArgs args, ffi::Remain
   const ffi::AnyBuffer* scales = num_in > next + 4 ? &in[next + 4] : nullptr;
   const ffi::AnyBuffer& cache_out = out.back();
 
-  detail::Checker ck;
+  detail::Checker ck(op);
   const ffi::DataType act = kv_c.element_type();
-  ck.expect(detail::is_act(act), "kv_c_normed must be bfloat16 or float16");
+  ck.expect(is_act_type(act), "kv_c_normed must be bfloat16 or float16");
   ck.expect(kv_c.dimensions().size() == 2, "kv_c_normed must be [T, 512]");
   if (!ck.ok()) return ck.error();
   const int64_t T = kv_c.dimensions()[0];
@@ -196,13 +206,13 @@ inline ffi::Error make_epilogue_plan(Op op, ffi::RemainingArgs args, ffi::Remain
   const bool rope = cos_sin.element_count() > 0;
 
   ck.dims(kv_c, {T, kLatent}, "kv_c_normed must be [T, 512]");
-  ck.expect(detail::is_index(slots.element_type()) && slots.element_count() == size_t(T),
+  ck.expect(is_index_type(slots.element_type()) && slots.element_count() == size_t(T),
             "slot_mapping must be int32/int64 [T]");
   if (rope) {
     auto d = cos_sin.dimensions();
     ck.expect(cos_sin.element_type() == ffi::DataType::F32 && d.size() == 2 && d[1] == kRope,
               "cos_sin_cache must be float32 [max_position, 64]");
-    ck.expect(detail::is_index(positions.element_type()) && positions.element_count() == size_t(T),
+    ck.expect(is_index_type(positions.element_type()) && positions.element_count() == size_t(T),
               "positions must be int32/int64 [T]");
   }
   for (size_t i = 0; scales != nullptr && i < num_in - (next + 4); ++i)

@@ -59,14 +59,14 @@ inline void gather_on_host(const GatherCache& g) {
 }
 
 // ---- FFI operands -> GatherCache (host) ----
-//
+
+constexpr std::string_view kGatherTarget = "gather_mla_cache";  // as errors name it
+
 // Operands: kv_cache, block_tables, context_lens, cache_scale_inv (as in make_paged_cache).
 // Result: out bf16|f16|f32 [num_tokens, 576]. No attributes.
 inline ffi::Error make_gather_cache(ffi::AnyBuffer cache, ffi::AnyBuffer tables, ffi::AnyBuffer lens,
                                     ffi::AnyBuffer cache_scale_inv, ffi::AnyBuffer out, GatherCache& g) {
-  const auto fail = [](const std::string& what) {
-    return ffi::Error::InvalidArgument("jax_kimi_mla gather_mla_cache: " + what);
-  };
+  const auto fail = [](std::string_view what) { return invalid_argument(kGatherTarget, what); };
   using T = ffi::DataType;
   g.batch = tables.dimensions().size() == 2 ? tables.dimensions()[0] : -1;
   if (std::string err = make_paged_cache(cache, tables, lens, cache_scale_inv, g.batch, g); !err.empty())

@@ -9,7 +9,7 @@
 #include <string>
 
 #include "jax_kimi_mla/epilogue.h"
-#include "xla/ffi/api/ffi.h"
+#include "jax_kimi_mla/ffi_common.h"
 
 namespace jax_kimi_mla {
 
@@ -113,15 +113,12 @@ inline void entry_values(const PagedCache& p, const uint8_t* entry, float v[kEnt
 
 // ---- FFI operands -> PagedCache (host) ----
 
-namespace ffi = xla::ffi;
-
 // kv_cache bf16|f16|f8|u8 [N, bs, W] (the format from the dtype; W bytes >= the entry and a
 // multiple of 16), block_tables idx [B, max_blocks], context_lens idx [B], cache_scale_inv f32
 // [1] for the plain fp8 cache, else [0]. Returns an error message, empty when the operands fit.
 inline std::string make_paged_cache(ffi::AnyBuffer cache, ffi::AnyBuffer tables, ffi::AnyBuffer lens,
                                     ffi::AnyBuffer cache_scale_inv, int64_t batch, PagedCache& p) {
   using T = ffi::DataType;
-  const auto is_index = [](T t) { return t == T::S32 || t == T::S64; };
   const auto cd = cache.dimensions(), td = tables.dimensions();
   if (cd.size() != 3) return "kv_cache must be [num_blocks, block_size, width]";
   int64_t item = 2;
@@ -141,9 +138,9 @@ inline std::string make_paged_cache(ffi::AnyBuffer cache, ffi::AnyBuffer tables,
   if ((cache_scale_inv.element_count() == 1) != fp8_cache ||
       cache_scale_inv.element_type() != T::F32 || cache_scale_inv.element_count() > 1)
     return "cache_scale_inv must be float32 [1] exactly for the plain fp8 cache, else [0]";
-  if (td.size() != 2 || td[0] != batch || !is_index(tables.element_type()))
+  if (td.size() != 2 || td[0] != batch || !is_index_type(tables.element_type()))
     return "block_tables must be int32/int64 [B, max_blocks]";
-  if (lens.dimensions().size() != 1 || lens.dimensions()[0] != batch || !is_index(lens.element_type()))
+  if (lens.dimensions().size() != 1 || lens.dimensions()[0] != batch || !is_index_type(lens.element_type()))
     return "context_lens must be int32/int64 [B]";
   p.cache = static_cast<const uint8_t*>(cache.untyped_data());
   p.block_tables = tables.untyped_data();
