@@ -299,22 +299,12 @@ def decode(ql_nope, q_pe, kv_c_normed, k_pe, kv_cache, slot_mapping, ds_mla, q_s
         given = "q_scale_inv" if cache_scale_inv is None else "cache_scale_inv"
         missing = "cache_scale_inv" if cache_scale_inv is None else "q_scale_inv"
         raise ValueError(f"the plain fp8 cache needs both q_scale_inv and cache_scale_inv: {given} was given without {missing}")
-    fp8 = q_scale_inv is not None
     cache = as_array("kv_cache", kv_cache)
-    if static_bool("ds_mla", ds_mla):
-        if fp8:
-            raise ValueError("ds_mla=True stores its own per-tile scales: q_scale_inv and cache_scale_inv must be None, but both were given")
-        fmt = "fp8_ds_mla"
-        args["kv_cache"] = c.cache(cache, CACHE_FORMATS[fmt], " of ds_mla=True")
-    elif fp8:
-        args["kv_cache"] = c.cache(cache, CACHE_FORMATS["fp8"], ", as q_scale_inv and cache_scale_inv were given")
-        args["q_scale_inv"] = scale("q_scale_inv", q_scale_inv)
-        args["cache_scale_inv"] = scale("cache_scale_inv", cache_scale_inv)
-        fmt = "fp8"
-    else:
-        _cache_dtype_hints(cache, "q_scale_inv and cache_scale_inv; neither was given")
-        args["kv_cache"] = c.cache(cache, CACHE_FORMATS["bf16"])
-        fmt = "bf16"
+    scales = {"q_scale_inv": q_scale_inv, "cache_scale_inv": cache_scale_inv}
+    fmt, why = selected_format(ds_mla, scales, cache, "q_scale_inv and cache_scale_inv; neither was given")
+    args["kv_cache"] = c.cache(cache, CACHE_FORMATS[fmt], why)
+    if fmt == "fp8":
+        args.update((name, scale(name, s)) for name, s in scales.items())
     args["slot_mapping"] = c.index("slot_mapping", slot_mapping)
     args["positions"], args["cos_sin_cache"] = c.rope(positions, cos_sin_cache, style)
     return c.done(positions is not None), fmt, args
@@ -377,21 +367,13 @@ def decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale,
         raise ValueError(f"num_splits must be None (chosen from the sizes) or an int in [1, {MAX_SPLITS}], got {num_splits!r}")
     kv_cache = as_array("kv_cache", kv_cache)
     q_fp8 = jnp.dtype(q.dtype) == FP8
-    if ds_mla:
-        for name, s in (("q_scale_inv", q_scale_inv), ("cache_scale_inv", cache_scale_inv)):
-            if s is not None:
-                raise ValueError(f"ds_mla=True stores its own per-tile scales: {name} must be None")
-        if q_fp8:
-            raise TypeError("mqa_q is float8_e4m3fn, which only the plain fp8 cache takes; with ds_mla=True pass a bfloat16 or float16 mqa_q")
-        fmt, why = "fp8_ds_mla", " of ds_mla=True"
-    elif cache_scale_inv is not None:
-        fmt, why = "fp8", ", as cache_scale_inv was given"
-    else:
-        if q_scale_inv is not None or q_fp8:
-            raise ValueError("an fp8 mqa_q (with q_scale_inv) reads only the plain fp8 cache, which needs cache_scale_inv")
-        _cache_dtype_hints(kv_cache)
-        fmt, why = "bf16", " of mqa_q"
-    reader_cache(kv_cache, CACHE_FORMATS[fmt], q.dtype, why)
+    if not ds_mla and cache_scale_inv is None and (q_scale_inv is not None or q_fp8):
+        raise ValueError("an fp8 mqa_q (with q_scale_inv) reads only the plain fp8 cache, which needs cache_scale_inv")
+    # From here q_scale_inv comes with cache_scale_inv, or with ds_mla=True (which refuses both).
+    fmt, why = selected_format(ds_mla, {"q_scale_inv": q_scale_inv, "cache_scale_inv": cache_scale_inv}, kv_cache)
+    if fmt == "fp8_ds_mla" and q_fp8:
+        raise TypeError("mqa_q is float8_e4m3fn, which only the plain fp8 cache takes; with ds_mla=True pass a bfloat16 or float16 mqa_q")
+    reader_cache(kv_cache, CACHE_FORMATS[fmt], q.dtype, why or " of mqa_q")
     if q_fp8 != (q_scale_inv is not None):
         raise ValueError("q_scale_inv goes with an fp8 (float8_e4m3fn) mqa_q: " + ("it is missing" if q_fp8 else f"mqa_q is {q.dtype}"))
     tables, lens = paged_tables(block_tables, context_lens, B)
@@ -425,13 +407,25 @@ class GatherCall:
     out_dtype: jnp.dtype
 
 
-def _cache_dtype_hints(kv_cache, fp8_needs: str = "cache_scale_inv; it was not given") -> None:
-    """A call that takes the 16-bit cache (no ds_mla, no scales) on a cache whose dtype says it is
-    another format; ``fp8_needs``: what the plain fp8 cache would need here."""
+def selected_format(ds_mla, scales: dict, kv_cache, fp8_needs: str = "cache_scale_inv; it was not given") -> tuple[str, str]:
+    """The cache format a call selects, by the one rule of every op that reads or writes several:
+    ds_mla=True selects fp8_ds_mla, which stores its own scales (so none of ``scales`` may be
+    given); else the plain fp8 cache's ``scales`` (the caller has checked that they come together)
+    select it; else the 16-bit cache, which a uint8 or float8_e4m3fn kv_cache is not (``fp8_needs``:
+    what the plain fp8 cache would need here). Returns the format's name and how the cache's
+    errors say why it is that format ("" for the 16-bit cache)."""
+    given = [name for name, s in scales.items() if s is not None]
+    if static_bool("ds_mla", ds_mla):
+        if given:
+            raise ValueError(f"ds_mla=True stores its own per-tile scales: {' and '.join(given)} must be None")
+        return "fp8_ds_mla", " of ds_mla=True"
+    if given:
+        return "fp8", f", as {' and '.join(given)} {'were' if len(given) > 1 else 'was'} given"
     if jnp.dtype(kv_cache.dtype) == UINT8:
         raise TypeError("kv_cache is uint8 (an fp8_ds_mla cache?) but ds_mla=False; pass ds_mla=True")
     if jnp.dtype(kv_cache.dtype) == FP8:
         raise TypeError(f"kv_cache is float8_e4m3fn (the plain fp8 cache), which needs {fp8_needs}")
+    return "bf16", ""
 
 
 def paged_tables(block_tables, context_lens, batch: int | None = None):
@@ -453,17 +447,10 @@ def paged_tables(block_tables, context_lens, batch: int | None = None):
 def gather_cache(kv_cache, block_tables, context_lens, num_tokens, ds_mla, cache_scale_inv, out_dtype) -> GatherCall:
     """Checks a gather_mla_cache call and picks its cache format."""
     kv_cache = as_array("kv_cache", kv_cache)
-    if static_bool("ds_mla", ds_mla):
-        if cache_scale_inv is not None:
-            raise ValueError("ds_mla=True stores its own per-tile scales: cache_scale_inv must be None")
-        fmt, act, why = "fp8_ds_mla", None, " of ds_mla=True"
-    elif cache_scale_inv is not None:
-        fmt, act, why = "fp8", None, ", as cache_scale_inv was given"
-    else:
-        _cache_dtype_hints(kv_cache)
+    fmt, why = selected_format(ds_mla, {"cache_scale_inv": cache_scale_inv}, kv_cache)
+    if fmt == "bf16":
         expect_dtype("kv_cache", kv_cache, ACT_DTYPES)
-        fmt, act, why = "bf16", kv_cache.dtype, ""
-    reader_cache(kv_cache, CACHE_FORMATS[fmt], act, why)
+    reader_cache(kv_cache, CACHE_FORMATS[fmt], kv_cache.dtype if fmt == "bf16" else None, why)
     tables, lens = paged_tables(block_tables, context_lens)
     out = None if out_dtype is None else jnp.dtype(out_dtype)  # jnp.dtype(None) is float64
     if out not in GATHER_DTYPES:

@@ -70,13 +70,12 @@ FP8_SCALE_INV = E4M3_MAX / 8.0
 F32 = jnp.float32
 
 
-def _explicit_mesh(tree):
-    """The mesh of the first array in ``tree`` sharded over Explicit mesh axes, or None."""
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array):
-            mesh = getattr(jax.typeof(leaf).sharding, "mesh", None)
-            if mesh is not None and not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types:
-                return mesh
+def _explicit_mesh(arrays):
+    """The mesh of the first of ``arrays`` sharded over Explicit mesh axes, or None."""
+    for array in arrays:
+        mesh = getattr(jax.typeof(array).sharding, "mesh", None)
+        if mesh is not None and not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types:
+            return mesh
     return None
 
 
@@ -95,7 +94,9 @@ def _auto_axes_under_explicit_meshes(*outputs: str):
         @functools.wraps(fn)
         def step(*args, **kwargs):
             bound = signature.bind(*args, **kwargs).arguments
-            mesh = _explicit_mesh(list(bound.values()))
+            # Each argument's arrays, found in one walk of its leaves.
+            held = {name: [v for v in jax.tree.leaves(value) if isinstance(v, jax.Array)] for name, value in bound.items()}
+            mesh = _explicit_mesh(a for values in held.values() for a in values)
             if mesh is None:
                 return fn(*args, **kwargs)
 
@@ -107,7 +108,7 @@ def _auto_axes_under_explicit_meshes(*outputs: str):
             # auto_axes moves the arrays it is given positionally onto the Auto axes: all of them go
             # so (keyword ones too: scan_layers passes the cache by name); the rest (config, None,
             # Python numbers) stays bound as it was.
-            arrays = [name for name, value in bound.items() if any(isinstance(v, jax.Array) for v in jax.tree.leaves(value))]
+            arrays = [name for name, values in held.items() if values]
 
             def run(*values):
                 return fn(**{**bound, **dict(zip(arrays, values))})
@@ -405,6 +406,17 @@ def _rope_kwargs(positions, cos_sin_cache, config):
     return {"positions": positions, "cos_sin_cache": cos_sin_cache, "rope_style": config.rope_style}
 
 
+def _format_kwargs(params, config, query=True):
+    """The keywords that select the cache format in a call of a decode op (``query``: one that
+    takes the absorbed query, whose scale comes with the plain fp8 cache's) or of the gather."""
+    if config.cache_format == "fp8_ds_mla":
+        return {"ds_mla": True}
+    if config.cache_format == "fp8":
+        s = params["fp8_scale_inv"]
+        return {"q_scale_inv": s["q"], "cache_scale_inv": s["cache"]} if query else {"cache_scale_inv": s["cache"]}
+    return {}
+
+
 @_auto_axes_under_explicit_meshes("x", "kv_cache")
 def prefill(
     params, x, positions, slot_mapping, kv_cache, *, config, block_table=None, context_len=None, cu_seqlens=None, layer=None, cos_sin_cache=None,
@@ -548,9 +560,8 @@ def prefill(
             _layer_tables(block_table, layer, kv_cache.shape[-3]),
             lens,
             num_tokens=num_ctx,
-            ds_mla=fmt == "fp8_ds_mla",
-            cache_scale_inv=params["fp8_scale_inv"]["cache"] if fmt == "fp8" else None,
             out_dtype=act,
+            **_format_kwargs(params, config, query=False),
         )
         ctx = ctx[:, :L], ctx[:, L:]  # split once: each group reads the latent and k_pe
     o = attend(0, q, k, v, ctx)
@@ -621,16 +632,13 @@ def decode(params, x, positions, slot_mapping, block_tables, context_lens, kv_ca
     _checks.layer_index(layer, kv_cache)
     positions, slot_mapping, block_tables, context_lens = _checks.layer_decode(
         x, positions, slot_mapping, block_tables, context_lens, config.hidden_size, config.dtype)
-    fmt = config.cache_format
     one_token = x.ndim == 2
     B, S = x.shape[0], 1 if one_token else x.shape[1]
     q, kv_a, kv_c_normed = _projections(params, x.reshape(B * S, -1), config)
     w_uk, w_uv = params["kv_b_proj"][..., :P], params["kv_b_proj"][..., P:]
     ql_nope = _proj("bhp,lhp->bhl", q[..., :P], w_uk)
     kw = _rope_kwargs(None if positions is None else positions.reshape(B * S), cos_sin_cache, config)
-    scales = {}
-    if fmt == "fp8":
-        scales = {"q_scale_inv": params["fp8_scale_inv"]["q"], "cache_scale_inv": params["fp8_scale_inv"]["cache"]}
+    cache_format = _format_kwargs(params, config)
     base, rows = _layer_rows(kv_cache, layer)
     mqa_q, cache = ops.fused_mla_decode_q_concat_kv_cache_insert(
         ql_nope,
@@ -639,9 +647,8 @@ def decode(params, x, positions, slot_mapping, block_tables, context_lens, kv_ca
         columns(kv_a, L),
         kv_cache,
         shift_ids(slot_mapping.reshape(B * S), rows, base),
-        ds_mla=fmt == "fp8_ds_mla",
         **kw,
-        **scales,
+        **cache_format,
     )
     latent = ops.mla_decode_attention(
         mqa_q if one_token else mqa_q.reshape(B, S, *mqa_q.shape[1:]),
@@ -649,8 +656,7 @@ def decode(params, x, positions, slot_mapping, block_tables, context_lens, kv_ca
         _layer_tables(block_tables, layer, kv_cache.shape[-3]),
         context_lens,
         softmax_scale=config.attention_scale,
-        ds_mla=fmt == "fp8_ds_mla",
-        **scales,
+        **cache_format,
     ).reshape(B * S, -1, L)  # [B * S_q, H, 512]
     o = _proj("thl,lhv->thv", latent.astype(config.dtype), w_uv)
     out = _output(params, x.reshape(B * S, -1), o, config)
