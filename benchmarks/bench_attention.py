@@ -213,8 +213,10 @@ def case_row(case: Case) -> dict:
                 context=case.context, q_tokens=case.q_tokens)
 
 
-def measure_case(case: Case, sizes: Sizes, ceiling: float, matmul_tflops: float | None, seed: int) -> dict:
-    """The case's row; an op or reference that fails leaves its columns empty and says why in error."""
+def measure_case(case: Case, sizes: Sizes, ceiling: float, matmul_tflops: float | None, seed: int, launch: dict | None = None) -> dict:
+    """The case's row; an op or reference that fails leaves its columns empty and says why in error.
+    ``launch``: mla_decode_attention's launch keywords for the attention cases (kernel,
+    programmatic_combine)."""
     row = case_row(case)
     if case.section == "layer":
         step = jax.jit(functools.partial(layer.decode, config=layer_config(case, sizes.hidden)), donate_argnums=6)
@@ -235,7 +237,7 @@ def measure_case(case: Case, sizes: Sizes, ceiling: float, matmul_tflops: float 
             row["speedup"] = call_seconds(ref) / call_seconds(op)
     else:
         args = attention_inputs(case, seed)
-        op, op_error = timed(_workloads.attention_step(jax_kimi_mla.mla_decode_attention, case.fmt), args, {})
+        op, op_error = timed(_workloads.attention_step(jax_kimi_mla.mla_decode_attention, case.fmt, **(launch or {})), args, {})
         ref, ref_error = timed(_workloads.attention_step(jax_kimi_mla.reference.mla_decode_attention, case.fmt), args, {})
         del args
         error = "; ".join(f"{who}: {e}" for who, e in (("op", op_error), ("reference", ref_error)) if e)

@@ -145,13 +145,13 @@ for s in $stages; do
         "$bin/bulk" --check-only ;;
     attn-pdl)
       # combine_kernel by programmatic dependent launch (B, the default) against the plain launch (A:
-      # JAX_KIMI_MLA_DECODE_PDL=0), A B A B in one process each: the op's span (first start to last
+      # points.py --plain-combine), A B A B in one process each: the op's span (first start to last
       # end) and its summed kernel time, then each kernel apiece; its tests first.
       points="small bf16 H=12 B=1 ctx=4096,small fp8_ds_mla H=12 B=1 ctx=4096,small bf16 H=12 B=8 ctx=16384"
       points="$points,memory bf16 H=12 B=16 ctx=16384,memory fp8 H=12 B=16 ctx=16384"
       stage attn-pdl bash -c "python3 -P -m pytest -q -p no:cacheprovider tests/test_decode_attention.py -k programmatic &&
         for tag in A B A B; do
-          JAX_KIMI_MLA_DECODE_PDL=\$([ \$tag = B ] && echo 1 || echo 0) python3 -P benchmarks/points.py --tag \$tag --kernels \
+          python3 -P benchmarks/points.py --tag \$tag --kernels \$([ \$tag = A ] && echo --plain-combine) \
             --attention '$points'
         done" ;;
     rs-probe)
@@ -167,7 +167,7 @@ for s in $stages; do
       for name in ds fp8 fp8-ss fp8-ss-pe128 ds fp8 fp8-ss fp8-ss-pe128; do stage "rs-probe-$name" "$bin/$name"; done ;;
     attn-probe|attn-phases)
       # The decode attention kernels alone (no extension build; benchmarks/probes/decode_attention.cu).
-      # attn-probe: the JAX_KIMI_MLA_DECODE_KERNEL choices mma, default and rs on the same inputs,
+      # attn-probe: the kernel choices mma, default and rs on the same inputs,
       # each against attention_kernel, timed at B 64 x 16k and B = 1. attn-phases (-DJKM_PHASE_STAMPS, about
       # 90 s): where the default kernels' time goes beyond streaming their tiles, each CTA's phases
       # and how the CTAs start and end.

@@ -47,8 +47,8 @@ def attention_case(name: str) -> bench_attention.Case:
     raise SystemExit(f"no bench_attention case is named {name!r}")
 
 
-def attention_point(case: bench_attention.Case, ceiling: float) -> str:
-    row = bench_attention.measure_case(case, bench_attention.FULL, ceiling, None, seed=0)
+def attention_point(case: bench_attention.Case, ceiling: float, launch: dict) -> str:
+    row = bench_attention.measure_case(case, bench_attention.FULL, ceiling, None, seed=0, launch=launch)
     if row.get("op_us") is None:
         return f"{case.name}: {row['error']}"
     summed = f" (kernels summed {row['op_kernel_sum_us']:.2f} us)" if row.get("op_kernel_sum_us") is not None else ""
@@ -56,10 +56,10 @@ def attention_point(case: bench_attention.Case, ceiling: float) -> str:
             f"{row['ceiling_fraction']:6.1%} of the ceiling")
 
 
-def kernel_times(case: bench_attention.Case) -> str:
+def kernel_times(case: bench_attention.Case, launch: dict) -> str:
     """Median device time of each kernel of the op's call, over KERNEL_CALLS calls in one trace."""
     args = bench_attention.attention_inputs(case, seed=0)
-    step = _workloads.attention_step(jax_kimi_mla.mla_decode_attention, case.fmt)
+    step = _workloads.attention_step(jax_kimi_mla.mla_decode_attention, case.fmt, **launch)
     jax.block_until_ready(_workloads.run(step, args, {}))
     durations = kernel_durations(step, args, {}, KERNEL_CALLS)
     if not durations:
@@ -79,6 +79,8 @@ def main(argv=None) -> int:
     parser.add_argument("--epilogue", default="", help="comma-separated variant:tokens:heads")
     parser.add_argument("--attention", default="", help="comma-separated bench_attention case names")
     parser.add_argument("--kernels", action="store_true", help="each attention point's kernels, timed apiece")
+    parser.add_argument("--kernel", default="auto", help="mla_decode_attention's kernel= for the attention points")
+    parser.add_argument("--plain-combine", action="store_true", help="programmatic_combine=False for the attention points")
     parser.add_argument("--tag", default="", help="a label at the start of every line")
     parser.add_argument("--copy-bytes", type=int, default=COPY_BYTES, help="bytes of the copy that sets the ceiling")
     opts = parser.parse_args(argv)
@@ -88,11 +90,12 @@ def main(argv=None) -> int:
     for spec in filter(None, opts.epilogue.split(",")):
         print(prefix + epilogue_point(spec, ceiling), flush=True)
     cases = [attention_case(name) for name in filter(None, opts.attention.split(","))]
+    launch = {"kernel": opts.kernel, "programmatic_combine": not opts.plain_combine}
     for case in cases:
-        print(prefix + attention_point(case, ceiling), flush=True)
+        print(prefix + attention_point(case, ceiling, launch), flush=True)
     if opts.kernels:
         for case in cases:
-            print(prefix + kernel_times(case), flush=True)
+            print(prefix + kernel_times(case, launch), flush=True)
     return 0
 
 

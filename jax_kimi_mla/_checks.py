@@ -324,14 +324,24 @@ class AttentionCall:
     softmax_scale: float
     num_splits: int | None
     squeeze: bool  # mqa_q was [B, H, 576]: outputs drop the S_q axis
+    kernel: str = "auto"
+    programmatic_combine: bool = True
 
     @property
     def out_dtype(self):
         return self.q.dtype if jnp.dtype(self.q.dtype) in ACT_DTYPES else jnp.dtype(jnp.bfloat16)
 
+    @property
+    def launch_attributes(self) -> dict:
+        """The optional FFI attributes of the CUDA launch, where they differ from their defaults
+        (so a default call lowers as before they existed)."""
+        attrs = {} if self.kernel == "auto" else {"kernel": self.kernel}
+        return attrs if self.programmatic_combine else {**attrs, "programmatic_combine": False}
+
 
 MAX_QUERY_TOKENS = 4  # S_q of mla_decode_attention
 MAX_SPLITS = 1024
+DECODE_KERNELS = ("auto", "mma", "wide", "rs", "rs-combine")  # mla_decode_attention(kernel=)
 
 
 def static_bool(name: str, x) -> bool:
@@ -349,7 +359,7 @@ def reader_cache(kv_cache, fmt: CacheFormat, act, why: str):
 
 
 def decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale, ds_mla, q_scale_inv, cache_scale_inv, num_splits,
-                     return_lse) -> AttentionCall:
+                     return_lse, kernel="auto", programmatic_combine=True) -> AttentionCall:
     """Checks an mla_decode_attention call and picks its cache format."""
     q = as_array("mqa_q", mqa_q)
     expect_dtype("mqa_q", q, (*ACT_DTYPES, FP8))
@@ -363,6 +373,9 @@ def decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale,
         raise TypeError(f"softmax_scale must be a Python float (a static attribute of the call), got {type(softmax_scale).__name__}")
     ds_mla = static_bool("ds_mla", ds_mla)
     static_bool("return_lse", return_lse)
+    if not isinstance(kernel, str) or kernel not in DECODE_KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(map(repr, DECODE_KERNELS))}, got {kernel!r}")
+    static_bool("programmatic_combine", programmatic_combine)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or not 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits must be None (chosen from the sizes) or an int in [1, {MAX_SPLITS}], got {num_splits!r}")
     kv_cache = as_array("kv_cache", kv_cache)
@@ -388,6 +401,8 @@ def decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale,
         softmax_scale=float(softmax_scale),
         num_splits=None if num_splits is None else int(num_splits),
         squeeze=squeeze,
+        kernel=kernel,
+        programmatic_combine=bool(programmatic_combine),
     )
 
 

@@ -237,15 +237,16 @@ def _reader_scale(scale_inv):
     return jnp.zeros((0,), jnp.float32) if scale_inv is None else jnp.reshape(scale_inv, (1,))
 
 
-def wide_kernel_applies(cache_dtype, batch: int, q_tokens: int, heads: int) -> bool:
-    """Whether the 64-row wgmma decode attention kernel takes a call of these sizes on sm_90."""
+def wide_kernel_applies(cache_dtype, batch: int, q_tokens: int, heads: int, kernel: str = "auto") -> bool:
+    """Whether the 64-row wgmma decode attention kernel takes a call of these sizes on sm_90
+    (``kernel``: the call's choice, as in :func:`mla_decode_attention`)."""
     many = heads >= WIDE_MIN_ROWS or (heads >= WIDE_MIN_ROWS_BATCHED and batch >= WIDE_MIN_BATCH)
-    return jnp.dtype(cache_dtype).itemsize == 2 and q_tokens == 1 and many
+    return kernel != "mma" and jnp.dtype(cache_dtype).itemsize == 2 and q_tokens == 1 and (many or kernel == "wide")
 
 
-def _decode_rows_per_cta(cache_dtype, batch: int, q_tokens: int, heads: int) -> int:
+def _decode_rows_per_cta(cache_dtype, batch: int, q_tokens: int, heads: int, kernel: str = "auto") -> int:
     """Query rows of one CUDA block of the decode attention kernel that the call will take."""
-    wide = wide_kernel_applies(cache_dtype, batch, q_tokens, heads) and _device.gpu_is_sm90()
+    wide = wide_kernel_applies(cache_dtype, batch, q_tokens, heads, kernel) and _device.gpu_is_sm90()
     return WIDE_ROWS_PER_CTA if wide else ROWS_PER_CTA
 
 
@@ -266,7 +267,8 @@ def default_num_splits(batch: int, rows: int, max_len: int, sm_count: int, rows_
 
 
 def mla_decode_attention(
-    mqa_q, kv_cache, block_tables, context_lens, *, softmax_scale, ds_mla=False, q_scale_inv=None, cache_scale_inv=None, return_lse=False, num_splits=None
+    mqa_q, kv_cache, block_tables, context_lens, *, softmax_scale, ds_mla=False, q_scale_inv=None, cache_scale_inv=None, return_lse=False, num_splits=None,
+    kernel="auto", programmatic_combine=True,
 ):
     """Paged MLA decode attention: the absorbed query over the latent cache, in one call.
 
@@ -288,6 +290,14 @@ def mla_decode_attention(
       return_lse: also return the log-sum-exp of the scaled scores.
       num_splits: the split-KV count of the CUDA kernel (static); None chooses it from the sizes
         and the GPU. Results do not depend on it beyond float rounding (the CPU handler ignores it).
+      kernel, programmatic_combine: for comparisons and tests (static; the CPU handler and the
+        reference check and ignore them). ``kernel`` is "auto" (the kernel that suits the call),
+        or one asked for where it applies (docs/DECODE_ATTENTION.md, "Kernels and the launch
+        choices"): "mma" (the general mma.sync kernel), "wide" (the 64-row wgmma kernel, 16-bit cache at
+        S_q = 1, also with fewer heads), "rs" (fp8_ds_mla's wgmma kernel at S_q = 1, also with
+        short splits) or "rs-combine" (that kernel with its splits merged by the combine kernel).
+        ``programmatic_combine=False`` launches the kernel that merges the splits after the
+        attention kernel instead of as its programmatic dependent.
 
     The CUDA kernel needs sm_90+ (Hopper or newer); on older GPUs this calls
     ``jax_kimi_mla.reference.mla_decode_attention`` instead (same contract, jnp speed).
@@ -303,14 +313,16 @@ def mla_decode_attention(
       out = jax.jit(functools.partial(mla_decode_attention, softmax_scale=192 ** -0.5))(
           mqa_q, kv_cache, block_tables, context_lens)
     """
-    c = _checks.decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale, ds_mla, q_scale_inv, cache_scale_inv, num_splits, return_lse)
+    c = _checks.decode_attention(
+        mqa_q, kv_cache, block_tables, context_lens, softmax_scale, ds_mla, q_scale_inv, cache_scale_inv, num_splits, return_lse, kernel,
+        programmatic_combine)
     if _device.gpu_before_hopper():  # the documented fallback: the jnp reference, same contract
         return reference.mla_decode_attention(
             mqa_q, kv_cache, block_tables, context_lens, softmax_scale=softmax_scale, ds_mla=ds_mla,
             q_scale_inv=q_scale_inv, cache_scale_inv=cache_scale_inv, return_lse=return_lse)
     B, S, H = c.q.shape[:3]
     max_len = c.block_tables.shape[1] * c.kv_cache.shape[1]
-    splits = c.num_splits or default_num_splits(B, S * H, max_len, _device.sm_count(), _decode_rows_per_cta(c.kv_cache.dtype, B, S, H))
+    splits = c.num_splits or default_num_splits(B, S * H, max_len, _device.sm_count(), _decode_rows_per_cta(c.kv_cache.dtype, B, S, H, c.kernel))
     scales = [_reader_scale(c.q_scale_inv), _reader_scale(c.cache_scale_inv)]
     partials = (splits * B * S * H * (L + 1),) if splits > 1 else (0,)
     # The FFI query is [B * S_q, H, 576]: the decode epilogue's mqa_q as it comes.
@@ -323,7 +335,7 @@ def mla_decode_attention(
             jax.ShapeDtypeStruct(partials, jnp.float32),
         ],
         {},
-        {"softmax_scale": np.float32(c.softmax_scale), "q_tokens": np.int64(S), "num_splits": np.int64(splits)},
+        {"softmax_scale": np.float32(c.softmax_scale), "q_tokens": np.int64(S), "num_splits": np.int64(splits), **c.launch_attributes},
         fold=_batching.decode_attention,
     )
     lead = (B,) if c.squeeze else (B, S)

@@ -252,6 +252,29 @@ def test_default_split_count_fills_the_gpu():
     wide = jax_kimi_mla.ops.wide_kernel_applies  # the 64-row kernel (sm_90): 16-bit caches, S_q = 1, many rows
     assert wide(jnp.bfloat16, 1, 1, 64) and wide(jnp.float16, 8, 1, 32) and not wide(jnp.bfloat16, 4, 1, 32)
     assert not wide(jnp.bfloat16, 64, 2, 64) and not wide(jnp.uint8, 64, 1, 128) and not wide(jnp.float8_e4m3fn, 64, 1, 128)
+    # ... or as the call asks: "wide" with fewer rows too, "mma" never; the format and S_q still rule
+    assert wide(jnp.bfloat16, 4, 1, 12, "wide") and not wide(jnp.bfloat16, 1, 1, 64, "mma")
+    assert not wide(jnp.bfloat16, 4, 2, 12, "wide") and not wide(jnp.uint8, 4, 1, 12, "wide") and wide(jnp.bfloat16, 1, 1, 64, "rs")
+
+
+def test_launch_choices_reach_the_handler_only_when_asked():
+    """kernel= and programmatic_combine= become FFI attributes only where they differ from their
+    defaults (a default call lowers as before they existed); the CPU handler checks and ignores
+    them, so every choice gives the default's bits there."""
+    args, kw = make_case("bf16", "bfloat16", lens=(70, 1, 0), heads=4, block_size=16, seed=3)
+
+    def custom_call(**choice):
+        step = jax.jit(lambda *a: jax_kimi_mla.mla_decode_attention(*a, **kw, **choice))
+        return next(line for line in step.lower(*args.values()).as_text().splitlines() if "mla_decode_attention_v" in line)
+
+    assert "kernel" not in custom_call() and "programmatic_combine" not in custom_call()
+    line = custom_call(kernel="rs-combine", programmatic_combine=False)
+    assert 'kernel = "rs-combine"' in line and "programmatic_combine = false" in line
+    want = run(jax_kimi_mla.mla_decode_attention, args, kw, "cpu")
+    for kernel in jax_kimi_mla._checks.DECODE_KERNELS:
+        got = run(jax_kimi_mla.mla_decode_attention, args, dict(kw, kernel=kernel, programmatic_combine=kernel == "auto"), "cpu")
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
 
 
 def test_gpus_before_hopper_fall_back_to_the_reference(monkeypatch):
@@ -277,7 +300,7 @@ def test_cuda_long_contexts(fmt, q_dtype, q_tokens):
     assert_close(fmt, q_dtype, poisoned_run(args, kw, "cuda"), want)
 
 
-# The kernels a call takes only when asked (JAX_KIMI_MLA_DECODE_KERNEL): rs (fp8_ds_mla at S_q = 1
+# The kernels a call takes only when asked (kernel=): rs (fp8_ds_mla at S_q = 1
 # on sm_90, also where its splits are too short to be the default), and mma, the general kernel
 # where the plain fp8 cache under an E4M3 query, or fp8_ds_mla with long splits, at S_q = 1 would
 # take its own (fp8_attention_kernel, rs_attention_kernel): long and ragged lengths, split
@@ -302,11 +325,11 @@ KERNEL_CHOICES = [("rs", *f) for f in FORMATS if f[0] == "fp8_ds_mla"] + [
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", REQUESTED_CASES)
 @pytest.mark.parametrize("kernel,fmt,q_dtype", KERNEL_CHOICES)
-def test_cuda_kernels_taken_on_request(monkeypatch, kernel, fmt, q_dtype, case):
-    monkeypatch.setenv("JAX_KIMI_MLA_DECODE_KERNEL", kernel)
+def test_cuda_kernels_taken_on_request(kernel, fmt, q_dtype, case):
     spec = dict(REQUESTED_CASES[case])
     splits = {"num_splits": spec.pop("num_splits")} if "num_splits" in spec else {}
     args, kw = make_case(fmt, q_dtype, seed=4, **spec)
+    kw = dict(kw, kernel=kernel)
     want = run(reference.mla_decode_attention, args, kw, "cpu")
     assert_close(fmt, q_dtype, poisoned_run(args, dict(kw, **splits), "cuda"), want)
     if case == "nan":
@@ -314,32 +337,28 @@ def test_cuda_kernels_taken_on_request(monkeypatch, kernel, fmt, q_dtype, case):
 
 
 # combine_kernel launched as a programmatic dependent of the attention kernel before it (the default)
-# against the plain launch (JAX_KIMI_MLA_DECODE_PDL=0). Each case takes one combine shape (the CTAs a row and warps a CTA follow the
+# against the plain launch (programmatic_combine=False). Each case takes one combine shape (the CTAs a row and warps a CTA follow the
 # rows against the SMs: B = 1 four column parts, B = 4 two, B = 8 one, B = 8 x 64 heads 4 warps)
 # after each attention kernel that can precede it (attention_kernel, fp8_attention_kernel,
 # rs_attention_kernel with the combine, wide_attention_kernel).
 PDL_CASES = {
-    "bf16, B 1": ("default", "bf16", "bfloat16", dict(lens=(4096,), heads=12)),
-    "bf16, B 4": ("default", "bf16", "bfloat16", dict(lens=(0, 1, 700, 3000), heads=12)),
-    "fp8, B 8": ("default", "fp8", "float8_e4m3fn", dict(lens=(0, 1, 700, 3000, 129, 64, 5000, 2), heads=12)),
+    "bf16, B 1": ("auto", "bf16", "bfloat16", dict(lens=(4096,), heads=12)),
+    "bf16, B 4": ("auto", "bf16", "bfloat16", dict(lens=(0, 1, 700, 3000), heads=12)),
+    "fp8, B 8": ("auto", "fp8", "float8_e4m3fn", dict(lens=(0, 1, 700, 3000, 129, 64, 5000, 2), heads=12)),
     "fp8_ds_mla rs, B 4": ("rs-combine", "fp8_ds_mla", "bfloat16", dict(lens=(0, 1, 700, 3000), heads=12)),
-    "fp8_ds_mla, B 1, a NaN": ("default", "fp8_ds_mla", "bfloat16", dict(lens=(4096,), heads=12, nan_token=(0, 2000))),
-    "bf16 wide, B 8 x 64 heads": ("default", "bf16", "bfloat16", dict(lens=(0, 1, 700, 3000, 129, 64, 5000, 2), heads=64)),
+    "fp8_ds_mla, B 1, a NaN": ("auto", "fp8_ds_mla", "bfloat16", dict(lens=(4096,), heads=12, nan_token=(0, 2000))),
+    "bf16 wide, B 8 x 64 heads": ("auto", "bf16", "bfloat16", dict(lens=(0, 1, 700, 3000, 129, 64, 5000, 2), heads=64)),
 }
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", PDL_CASES)
-def test_cuda_combine_by_programmatic_launch(monkeypatch, case):
+def test_cuda_combine_by_programmatic_launch(case):
     """The same bits with and without the programmatic launch, and the reference's values."""
     kernel, fmt, q_dtype, spec = PDL_CASES[case]
-    if kernel != "default":
-        monkeypatch.setenv("JAX_KIMI_MLA_DECODE_KERNEL", kernel)
     args, kw = make_case(fmt, q_dtype, block_size=64, seed=14, **spec)
-    kw = dict(kw, num_splits=64 if len(spec["lens"]) == 1 else 8)
-    monkeypatch.setenv("JAX_KIMI_MLA_DECODE_PDL", "0")
-    plain = poisoned_run(args, kw, "cuda")
-    monkeypatch.delenv("JAX_KIMI_MLA_DECODE_PDL")
+    kw = dict(kw, num_splits=64 if len(spec["lens"]) == 1 else 8, kernel=kernel)
+    plain = poisoned_run(args, dict(kw, programmatic_combine=False), "cuda")
     programmatic = poisoned_run(args, kw, "cuda")
     for got, want in zip(programmatic, plain):
         np.testing.assert_array_equal(got, want)  # NaN where NaN
@@ -347,16 +366,15 @@ def test_cuda_combine_by_programmatic_launch(monkeypatch, case):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kernel", ["default", "rs"])
-def test_cuda_ds_mla_scales_far_apart(monkeypatch, kernel):
+@pytest.mark.parametrize("kernel", ["auto", "rs"])
+def test_cuda_ds_mla_scales_far_apart(kernel):
     """fp8_ds_mla rows whose magnitudes span 2^16 (tile scales up to 2^9, where p x scale would
     overflow f16 if the kernel did not keep it in range) and sequences of several tiles. out is
     compared in units of the largest rows (2^16): its error is the probabilities' rounding times
     the values' magnitude, which cancelling signs do not shrink as they shrink out."""
-    if kernel != "default":
-        monkeypatch.setenv("JAX_KIMI_MLA_DECODE_KERNEL", kernel)
     args, kw = make_case("fp8_ds_mla", "bfloat16", lens=(1, 700, 3000), heads=16, block_size=64, seed=6,
                          row_exponents=(0, 16))
+    kw = dict(kw, kernel=kernel)
     (out, lse), (ref_out, ref_lse) = poisoned_run(args, kw, "cuda"), run(reference.mla_decode_attention, args, kw, "cpu")
     assert_close("fp8_ds_mla", "bfloat16", (out * 2.0**-16, lse), (ref_out * 2.0**-16, ref_lse))
 
@@ -400,14 +418,13 @@ WIDE_CASES = {
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", WIDE_CASES)
-@pytest.mark.parametrize("kernel", ("default", "mma", "wide"))
+@pytest.mark.parametrize("kernel", ("auto", "mma", "wide"))
 @pytest.mark.parametrize("q_dtype", ("bfloat16", "float16"))
-def test_cuda_many_heads(monkeypatch, q_dtype, kernel, case):
-    if kernel != "default":
-        monkeypatch.setenv("JAX_KIMI_MLA_DECODE_KERNEL", kernel)
+def test_cuda_many_heads(q_dtype, kernel, case):
     spec = dict(WIDE_CASES[case])
     splits = {"num_splits": spec.pop("num_splits")} if "num_splits" in spec else {}
     args, kw = make_case("bf16", q_dtype, seed=6, **spec)
+    kw = dict(kw, kernel=kernel)
     want = run(reference.mla_decode_attention, args, kw, "cpu")
     assert_close("bf16", q_dtype, poisoned_run(args, dict(kw, **splits), "cuda"), want)
     if case == "nan":
@@ -417,9 +434,8 @@ def test_cuda_many_heads(monkeypatch, q_dtype, kernel, case):
         if not names:  # the values were checked; only the trace is missing
             pytest.skip("no GPU kernels in the profiler's trace (compute-sanitizer holds the profiling interface)")
         wide = any("wide_attention_kernel" in n for n in names)
-        applies = jax_kimi_mla.ops.wide_kernel_applies(jnp.bfloat16, len(spec["lens"]), 1, spec["heads"])
-        chosen = kernel == "wide" or (kernel == "default" and applies)
-        assert wide == (chosen and jax_kimi_mla._device.gpu_is_sm90()), sorted(names)
+        applies = jax_kimi_mla.ops.wide_kernel_applies(jnp.bfloat16, len(spec["lens"]), 1, spec["heads"], kernel)
+        assert wide == (applies and jax_kimi_mla._device.gpu_is_sm90()), sorted(names)
 
 
 @pytest.mark.cuda
@@ -443,16 +459,15 @@ def test_cuda_ds_mla_kernel_by_split_length(num_splits, rs):
 @pytest.mark.parametrize("heads", (12, 20))
 @pytest.mark.parametrize("num_splits", (2, 3, 5, 8))
 @pytest.mark.parametrize("kernel", ("rs", "rs-combine"))
-def test_cuda_rs_splits_merged_in_a_cluster(monkeypatch, kernel, num_splits, heads):
+def test_cuda_rs_splits_merged_in_a_cluster(kernel, num_splits, heads):
     """rs_attention_kernel's 2-8 splits of a sequence run as one thread block cluster and merge
     there: combine_kernel is not launched. "rs-combine" merges the same splits in combine_kernel.
     Ragged lengths leave splits past the length (0, 1 and 63 tokens: splits that only stage empty
     rows), a NaN inside one length reaches that sequence alone, and 20 heads add a second row group
     (4 real rows, 12 padding)."""
-    monkeypatch.setenv("JAX_KIMI_MLA_DECODE_KERNEL", kernel)
     args, kw = make_case("fp8_ds_mla", "bfloat16", lens=(0, 1, 63, 700, 3000, 129), heads=heads, block_size=64,
                          seed=13, nan_token=(3, 650))
-    kw = dict(kw, num_splits=num_splits)
+    kw = dict(kw, num_splits=num_splits, kernel=kernel)
     want = run(reference.mla_decode_attention, args, kw, "cpu")
     assert np.isnan(want[1][3]).all() and np.isfinite(want[1][4]).all()
     assert_close("fp8_ds_mla", "bfloat16", poisoned_run(args, kw, "cuda"), want)

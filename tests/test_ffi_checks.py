@@ -58,6 +58,27 @@ def test_malformed_attention_calls_fail_with_the_handlers_message(kwargs, messag
 
 
 @pytest.mark.parametrize(
+    "attrs, message",
+    [
+        (dict(kernel="fast"), 'kernel must be the string "auto", "mma", "rs", "rs-combine" or "wide"'),
+        (dict(programmatic_combine=np.int64(0)), "programmatic_combine must be a bool"),
+    ],
+)
+def test_decode_attention_handler_checks_its_launch_choices(attrs, message):
+    operands = [np.zeros((2, 3, 576), BF16), np.zeros((4, 2, 576), BF16), np.zeros((2, 2), np.int32), np.ones(2, np.int32), NO_SCALE, NO_SCALE]
+    results = [((2, 3, 512), BF16), ((2, 3), jnp.float32), ((0,), jnp.float32)]
+    with pytest.raises(jax.errors.JaxRuntimeError, match=f"jax_kimi_mla mla_decode_attention: {re.escape(message)}"):
+        raw_call("mla_decode_attention", operands, results, softmax_scale=np.float32(0.1), q_tokens=np.int64(1), num_splits=np.int64(1), **attrs)
+
+
+def test_decode_attention_handler_needs_its_attributes():
+    operands = [np.zeros((2, 3, 576), BF16), np.zeros((4, 2, 576), BF16), np.zeros((2, 2), np.int32), np.ones(2, np.int32), NO_SCALE, NO_SCALE]
+    results = [((2, 3, 512), BF16), ((2, 3), jnp.float32), ((0,), jnp.float32)]
+    with pytest.raises(jax.errors.JaxRuntimeError, match="the attributes softmax_scale .f32., q_tokens and num_splits .i64. are required"):
+        raw_call("mla_decode_attention", operands, results, softmax_scale=np.float32(0.1), q_tokens=np.int64(1))
+
+
+@pytest.mark.parametrize(
     "operands, out, message",
     [
         ([np.zeros((4, 2, 576), BF16), np.zeros((2, 2), np.int32), np.zeros(3, np.int32), NO_SCALE], (8, 576), "context_lens must be int32/int64 [B]"),

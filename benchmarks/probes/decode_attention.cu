@@ -1,6 +1,6 @@
 // The mla_decode_attention CUDA kernels (ffi/cuda/decode_attention_cuda.cu, included as it is)
 // alone on a GPU, without building the extension: for the 1-byte formats, the kernel each
-// JAX_KIMI_MLA_DECODE_KERNEL choice takes (mma: attention_kernel; unset: the default, which for
+// `kernel` choice (DecodeLaunch) takes (mma: attention_kernel; default: auto, which for
 // plain fp8 under an E4M3 q is fp8_attention_kernel and for fp8_ds_mla from 4 tiles a split
 // rs_attention_kernel; rs: rs_attention_kernel for fp8_ds_mla at any split length) on the same
 // inputs, each against the first, timed at the benchmark's memory-bound size and at B = 1, so that
@@ -116,10 +116,9 @@ std::vector<uint8_t> make_cache(CacheFormat f, int64_t rows, std::mt19937& rng) 
 void print_phases(const DecodeAttention& a, const Case& k, double tiles_per_cta) {
   static unsigned long long ns[kStampedCtas][kPhasePoints];
   static long long cycles[kStampedCtas][kPhasePoints], tiles[kStampedTiles];
-  unsetenv("JAX_KIMI_MLA_DECODE_KERNEL");
   std::memset(ns, 0, sizeof ns), std::memset(cycles, 0, sizeof cycles);
   cudaMemcpyToSymbol(g_phase_ns, ns, sizeof ns), cudaMemcpyToSymbol(g_phase_cycles, cycles, sizeof cycles);
-  (void)run(nullptr, a);
+  (void)run(nullptr, a, DecodeLaunch{});
   if (!ok(cudaDeviceSynchronize(), "stamped call")) return;
   cudaMemcpyFromSymbol(ns, g_phase_ns, sizeof ns), cudaMemcpyFromSymbol(cycles, g_phase_cycles, sizeof cycles);
   cudaMemcpyFromSymbol(tiles, g_tile_cycles, sizeof tiles);
@@ -215,7 +214,7 @@ int run_case(const Case& k, std::mt19937& rng) {
   a.q_scale_inv = fp8 ? d_scales : nullptr;
   a.out = d_out, a.lse = d_lse, a.partials = k.splits > 1 ? d_partials : nullptr, a.num_splits = k.splits;
 
-  // The kernels by JAX_KIMI_MLA_DECODE_KERNEL: attention_kernel (forced), the default,
+  // The kernels by the `kernel` choice: attention_kernel (forced), the default,
   // rs_attention_kernel where the format is fp8_ds_mla (else the default); each against the first.
   std::vector<std::string> kernels = {"mma", "default", "rs"};
   if (const char* env = std::getenv("PROBE_KERNELS")) {
@@ -228,20 +227,25 @@ int run_case(const Case& k, std::mt19937& rng) {
   std::vector<std::vector<float>> lse(kKernels);
   std::vector<float> us(kKernels);
   const auto choose = [](const std::string& name) {
-    if (name != "default") setenv("JAX_KIMI_MLA_DECODE_KERNEL", name.c_str(), 1);
-    else unsetenv("JAX_KIMI_MLA_DECODE_KERNEL");
+    DecodeLaunch launch;
+    launch.kernel = name == "mma"          ? KernelRequest::kMma
+                    : name == "rs"         ? KernelRequest::kRs
+                    : name == "rs-combine" ? KernelRequest::kRsCombine
+                    : name == "wide"       ? KernelRequest::kWide
+                                           : KernelRequest::kAuto;  // "default"
+    return launch;
   };
   for (int kernel = 0; kernel < kKernels; ++kernel) {
-    choose(kernels[kernel]);
+    const DecodeLaunch launch = choose(kernels[kernel]);
     cudaMemset(d_out, 0xFF, out_elems * 2);
-    if (ffi::Error e = run(nullptr, a); e.failure() || !ok(cudaDeviceSynchronize(), "attention")) {
+    if (ffi::Error e = run(nullptr, a, launch); e.failure() || !ok(cudaDeviceSynchronize(), "attention")) {
       std::printf("run failed\n");
       return 2;
     }
     out[kernel].resize(out_elems), lse[kernel].resize(size_t(k.batch) * k.heads);
     cudaMemcpy(out[kernel].data(), d_out, out_elems * 2, cudaMemcpyDeviceToHost);
     cudaMemcpy(lse[kernel].data(), d_lse, lse[kernel].size() * 4, cudaMemcpyDeviceToHost);
-    us[kernel] = time_us([&] { (void)run(nullptr, a); }, 20);
+    us[kernel] = time_us([&] { (void)run(nullptr, a, launch); }, 20);
   }
   const double bytes = double(k.batch) * k.context * a.row_bytes;
   const double tiles_per_cta = double(max_blocks) / k.splits;

@@ -88,12 +88,11 @@ void attend(const DecodeAttention& a, int64_t b, int64_t j, std::vector<float>& 
 ffi::Error handler(ffi::AnyBuffer q, ffi::AnyBuffer cache, ffi::AnyBuffer tables,
                    ffi::AnyBuffer lens, ffi::AnyBuffer q_scale_inv, ffi::AnyBuffer cache_scale_inv,
                    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                   ffi::Result<ffi::AnyBuffer> partials, float softmax_scale, int64_t q_tokens,
-                   int64_t num_splits) {
+                   ffi::Result<ffi::AnyBuffer> partials, ffi::Dictionary attrs) {
   DecodeAttention a;
+  DecodeLaunch unused;  // one implementation on the CPU: the launch options are only checked
   if (ffi::Error err = make_decode_attention(q, cache, tables, lens, q_scale_inv, cache_scale_inv,
-                                             *out, *lse, *partials, softmax_scale, q_tokens,
-                                             num_splits, a);
+                                             *out, *lse, *partials, attrs, a, unused);
       err.failure())
     return err;
   std::vector<float> q_rows, scores, sums;  // reused across query tokens

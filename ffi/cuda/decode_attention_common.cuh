@@ -56,10 +56,10 @@ static_assert(kColumnHalves == 2 && kTokensPerGroup == 16 && kOutBlocks % 2 == 0
               "a warp's logits are two n-blocks of one column half");
 
 // Programmatic dependent launch (sm_90+). The host launches combine_kernel with programmatic
-// stream serialization (unless JAX_KIMI_MLA_DECODE_PDL=0): it may start while the attention kernel
-// before it runs, once every CTA of that kernel has started and let it (each does so at its
-// entry), and it waits for the whole attention grid, its memory writes included, before it reads
-// anything that grid wrote. Its launch and its CTAs' start thus overlap the attention kernel's
+// stream serialization (unless the call asks otherwise: DecodeLaunch): it may start while the
+// attention kernel before it runs, once every CTA of that kernel has started and let it (each does
+// so at its entry), and it waits for the whole attention grid, its memory writes included, before
+// it reads anything that grid wrote. Its launch and its CTAs' start thus overlap the attention kernel's
 // tail instead of following it. Without that launch attribute both instructions do nothing.
 __device__ __forceinline__ void let_dependent_launch_start() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -119,7 +119,6 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <string>
 
 #include "attention_kernel.cuh"
@@ -253,8 +252,8 @@ bool rs_splits_fit_a_cluster(int device, dim3 grid) {
   return int64_t(grid.y) * grid.z <= known - 1;
 }
 
-// The kernel a call takes. JAX_KIMI_MLA_DECODE_KERNEL (a developer's switch, as the PDL one below) may ask
-// for another than the default where that one applies:
+// The kernel a call takes. The call's `kernel` attribute (DecodeLaunch; for comparisons and tests)
+// may ask for another than the default where that one applies:
 // - fp8_attention_kernel (the default where it applies): the plain fp8 cache under an E4M3 query
 //   at S_q = 1, in a build that has the sm_89+ fp8 conversion (not JAX_KIMI_MLA_SOFTWARE_FP8).
 //   "mma" asks for attention_kernel instead.
@@ -279,25 +278,21 @@ constexpr bool kWgmmaBuilt = true;
 constexpr bool kWgmmaBuilt = false;
 #endif
 
-std::string kernel_choice() {
-  const char* env = std::getenv("JAX_KIMI_MLA_DECODE_KERNEL");
-  return env != nullptr ? env : "";
-}
-
-DecodeKernel choose_kernel(const DecodeAttention& a, int major, const std::string& choice) {
-  if (choice != "mma" && kFp8KernelBuilt && a.cache_format == CacheFormat::kFp8 && a.q_type == QType::kE4m3 &&
+DecodeKernel choose_kernel(const DecodeAttention& a, int major, KernelRequest choice) {
+  using R = KernelRequest;
+  if (choice != R::kMma && kFp8KernelBuilt && a.cache_format == CacheFormat::kFp8 && a.q_type == QType::kE4m3 &&
       a.q_tokens == 1)
     return DecodeKernel::kFp8;
   // rs_attention_kernel from 4 tiles a split (of the longest sequence the table holds): with fewer,
   // its one-warpgroup tiles and longer prologue lose to attention_kernel (H200, H 12: 15.3 against
   // 12.2 us at B = 1, context 4096; 19.8 against 20.1 at B = 8, 4 tiles a split).
-  if (choice != "mma" && kFp8KernelBuilt && kWgmmaBuilt && major == 9 &&
+  if (choice != R::kMma && kFp8KernelBuilt && kWgmmaBuilt && major == 9 &&
       a.cache_format == CacheFormat::kFp8DsMla && a.q_tokens == 1 && a.batch <= kMaxGridYZ &&
-      (choice == "rs" || choice == "rs-combine" || a.split_tokens(a.max_len()) >= kRsMinSplitTiles * kTileTokens))
+      (choice == R::kRs || choice == R::kRsCombine || a.split_tokens(a.max_len()) >= kRsMinSplitTiles * kTileTokens))
     return DecodeKernel::kRs;
   const bool many_rows = a.rows() >= kWideMinRows || (a.rows() >= kWideMinRowsBatched && a.batch >= kWideMinBatch);
-  if (choice != "mma" && kWgmmaBuilt && major == 9 && a.cache_format == CacheFormat::kBf16 && a.q_tokens == 1 &&
-      (many_rows || choice == "wide"))
+  if (choice != R::kMma && kWgmmaBuilt && major == 9 && a.cache_format == CacheFormat::kBf16 && a.q_tokens == 1 &&
+      (many_rows || choice == R::kWide))
     return DecodeKernel::kWide;
   return DecodeKernel::kMma;
 }
@@ -312,16 +307,9 @@ ActType mma_type(const DecodeAttention& a) {
   return f16 ? ActType::kF16 : ActType::kBF16;
 }
 
-// combine_kernel by programmatic dependent launch (let_dependent_launch_start) unless
-// JAX_KIMI_MLA_DECODE_PDL=0 (a developer's switch for comparisons, read when a call is launched or
-// captured into a CUDA graph, so set before the first call): the call's span at B = 1-8 is about
-// 1 us shorter (docs/DECODE_ATTENTION.md, Twenty-second round).
-bool programmatic_combine() {
-  const char* env = std::getenv("JAX_KIMI_MLA_DECODE_PDL");
-  return env == nullptr || std::string(env) != "0";
-}
-
-// combine_kernel over (rows, sequences) x kColumnParts, by programmatic dependent launch or not.
+// combine_kernel over (rows, sequences) x kColumnParts, by programmatic dependent launch
+// (let_dependent_launch_start; the default, DecodeLaunch::programmatic_combine) or not: by it the
+// call's span at B = 1-8 is about 1 us shorter (docs/DECODE_ATTENTION.md, Twenty-second round).
 template <int kCombineWarps, int kColumnParts>
 cudaError_t launch_combine(cudaStream_t stream, const DecodeAttention& a, dim3 row_grid, bool programmatic) {
   cudaLaunchAttribute attribute{};
@@ -333,7 +321,7 @@ cudaError_t launch_combine(cudaStream_t stream, const DecodeAttention& a, dim3 r
   return cudaLaunchKernelEx(&config, combine_kernel<kCombineWarps, kColumnParts>, a);
 }
 
-ffi::Error run(cudaStream_t stream, const DecodeAttention& a) {
+ffi::Error run(cudaStream_t stream, const DecodeAttention& a, const DecodeLaunch& launch) {
   int device = 0, major = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major < 9)
@@ -341,8 +329,7 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a) {
                             "the CUDA kernel needs an sm_90+ GPU (Hopper or newer); on this GPU use "
                             "jax_kimi_mla.reference.mla_decode_attention");
   const int64_t rows = a.rows();
-  const std::string choice = kernel_choice();
-  const DecodeKernel kernel = choose_kernel(a, major, choice);
+  const DecodeKernel kernel = choose_kernel(a, major, launch.kernel);
   const int64_t rows_per_cta = kernel == DecodeKernel::kWide ? kWideRows : kTileRows;
   const int64_t row_groups = (rows + rows_per_cta - 1) / rows_per_cta;
   if (row_groups > kMaxGridYZ)
@@ -359,7 +346,7 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a) {
   } else if (kernel == DecodeKernel::kFp8) {
     err = launch_with_shared_memory(stream, fp8_attention_kernel, grid, kThreads, Fp8Layout::kBytes, a);
   } else if (kernel == DecodeKernel::kRs) {
-    merged_in_cluster = choice != "rs-combine" && rs_splits_fit_a_cluster(device, grid);
+    merged_in_cluster = launch.kernel != KernelRequest::kRsCombine && rs_splits_fit_a_cluster(device, grid);
     err = launch_rs_attention(stream, a, grid, merged_in_cluster);
   } else {
     switch (a.cache_format) {
@@ -386,7 +373,7 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a) {
     int sm_count = 0;
     cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
     const int64_t ctas = rows * batch_blocks;
-    const bool programmatic = programmatic_combine();
+    const bool programmatic = launch.programmatic_combine;
     const dim3 row_grid(unsigned(rows), batch_blocks);
     cudaError_t combine_err;
     if (4 * ctas <= sm_count)
@@ -407,12 +394,11 @@ ffi::Error decode_attention_handler(cudaStream_t stream, ffi::AnyBuffer q, ffi::
                                     ffi::AnyBuffer block_tables, ffi::AnyBuffer context_lens,
                                     ffi::AnyBuffer q_scale_inv, ffi::AnyBuffer cache_scale_inv,
                                     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                                    ffi::Result<ffi::AnyBuffer> partials, float softmax_scale,
-                                    int64_t q_tokens, int64_t num_splits) {
+                                    ffi::Result<ffi::AnyBuffer> partials, ffi::Dictionary attrs) {
   DecodeAttention a;
+  DecodeLaunch launch;
   if (ffi::Error err = make_decode_attention(q, kv_cache, block_tables, context_lens, q_scale_inv,
-                                             cache_scale_inv, *out, *lse, *partials, softmax_scale,
-                                             q_tokens, num_splits, a);
+                                             cache_scale_inv, *out, *lse, *partials, attrs, a, launch);
       err.failure())
     return err;
   if (a.batch == 0 || a.heads == 0 || a.rows() == 0) return ffi::Error::Success();
@@ -420,7 +406,7 @@ ffi::Error decode_attention_handler(cudaStream_t stream, ffi::AnyBuffer q, ffi::
   if (reinterpret_cast<uintptr_t>(a.cache) % 16 != 0 || a.row_bytes % 16 != 0 ||
       reinterpret_cast<uintptr_t>(a.q) % 16 != 0)
     return invalid_argument(kDecodeAttentionTarget, "kv_cache, its rows and q must be 16-byte aligned");
-  return run(stream, a);
+  return run(stream, a, launch);
 }
 
 }  // namespace

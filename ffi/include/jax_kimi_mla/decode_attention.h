@@ -66,6 +66,17 @@ struct DecodeAttention : PagedCache {
   }
 };
 
+// How the CUDA handler launches a call, from the optional attributes `kernel` (string: "auto",
+// the default, or a kernel asked for where it applies: decode_attention_cuda.cu, choose_kernel)
+// and `programmatic_combine` (bool, default true: combine_kernel starts as a programmatic
+// dependent of the attention kernel). For comparisons and tests; the CPU handler checks and
+// ignores them. Host.
+enum class KernelRequest : uint8_t { kAuto, kMma, kRs, kRsCombine, kWide };
+struct DecodeLaunch {
+  KernelRequest kernel = KernelRequest::kAuto;
+  bool programmatic_combine = true;
+};
+
 // ---- FFI operands -> DecodeAttention (host) ----
 
 constexpr std::string_view kDecodeAttentionTarget = "mla_decode_attention";  // as errors name it
@@ -74,19 +85,39 @@ constexpr std::string_view kDecodeAttentionTarget = "mla_decode_attention";  // 
 // max_blocks]; context_lens idx [B]; q_scale_inv f32 [1] or [0]; cache_scale_inv f32 [1] or [0].
 // Results: out act [B * S_q, H, 512]; lse f32 [B * S_q, H]; partials f32 [num_splits * B * S_q *
 // H * 513] (empty when num_splits == 1). Attributes: softmax_scale (f32), q_tokens (i64 S_q,
-// 1..4), num_splits (i64 >= 1). The query is 3-D so that the decode epilogue's mqa_q [B, H, 576]
-// (B * S_q rows) feeds it with no reshape, which XLA may turn into a copy.
+// 1..4), num_splits (i64 >= 1); optional: kernel, programmatic_combine (DecodeLaunch). The query
+// is 3-D so that the decode epilogue's mqa_q [B, H, 576] (B * S_q rows) feeds it with no reshape,
+// which XLA may turn into a copy.
 // The Python wrapper checks all of this first and explains; these checks keep a malformed direct
 // call from touching foreign memory.
 inline ffi::Error make_decode_attention(ffi::AnyBuffer q, ffi::AnyBuffer cache,
                                         ffi::AnyBuffer tables, ffi::AnyBuffer lens,
                                         ffi::AnyBuffer q_scale_inv, ffi::AnyBuffer cache_scale_inv,
                                         ffi::AnyBuffer out, ffi::AnyBuffer lse,
-                                        ffi::AnyBuffer partials, float softmax_scale,
-                                        int64_t q_tokens, int64_t num_splits,
-                                        DecodeAttention& a) {
+                                        ffi::AnyBuffer partials, ffi::Dictionary attrs,
+                                        DecodeAttention& a, DecodeLaunch& launch) {
   const auto fail = [](std::string_view what) { return invalid_argument(kDecodeAttentionTarget, what); };
   using T = ffi::DataType;
+  const auto softmax_scale = attrs.get<float>("softmax_scale");
+  const auto q_tokens_attr = attrs.get<int64_t>("q_tokens"), num_splits_attr = attrs.get<int64_t>("num_splits");
+  if (!softmax_scale.has_value() || !q_tokens_attr.has_value() || !num_splits_attr.has_value())
+    return fail("the attributes softmax_scale (f32), q_tokens and num_splits (i64) are required");
+  const int64_t q_tokens = *q_tokens_attr, num_splits = *num_splits_attr;
+  if (attrs.contains("kernel")) {
+    const auto kernel = attrs.get<std::string_view>("kernel");
+    const std::string_view name = kernel.has_value() ? *kernel : "";
+    if (name == "auto") launch.kernel = KernelRequest::kAuto;
+    else if (name == "mma") launch.kernel = KernelRequest::kMma;
+    else if (name == "rs") launch.kernel = KernelRequest::kRs;
+    else if (name == "rs-combine") launch.kernel = KernelRequest::kRsCombine;
+    else if (name == "wide") launch.kernel = KernelRequest::kWide;
+    else return fail("kernel must be the string \"auto\", \"mma\", \"rs\", \"rs-combine\" or \"wide\"");
+  }
+  if (attrs.contains("programmatic_combine")) {
+    const auto programmatic = attrs.get<bool>("programmatic_combine");
+    if (!programmatic.has_value()) return fail("programmatic_combine must be a bool");
+    launch.programmatic_combine = *programmatic;
+  }
   const auto qd = q.dimensions();
   if (q_tokens < 1 || q_tokens > kMaxQueryTokens) return fail("q_tokens (S_q) must be 1..4");
   if (qd.size() != 3 || qd[2] != kEntry || qd[0] % q_tokens != 0)
@@ -120,7 +151,7 @@ inline ffi::Error make_decode_attention(ffi::AnyBuffer q, ffi::AnyBuffer cache,
   if (partials.element_type() != T::F32 || partials.element_count() != want)
     return fail("partials must be float32 [num_splits * B * S_q * H * 513] (empty for one split)");
   a.q = q.untyped_data();
-  a.softmax_scale = softmax_scale;
+  a.softmax_scale = *softmax_scale;
   a.q_scale_inv = a.q_type == QType::kE4m3 ? static_cast<const float*>(q_scale_inv.untyped_data()) : nullptr;
   a.out = out.untyped_data();
   a.lse = static_cast<float*>(lse.untyped_data());
@@ -129,7 +160,8 @@ inline ffi::Error make_decode_attention(ffi::AnyBuffer q, ffi::AnyBuffer cache,
   return ffi::Error::Success();
 }
 
-// The binding both backends share, after their context arguments.
+// The binding both backends share, after their context arguments. The attributes come as a
+// dictionary, so that the optional ones may be absent (programs exported before they existed).
 #define JKM_DECODE_ATTENTION_BINDING(bind)                                                      \
   (bind).Arg<xla::ffi::AnyBuffer>()                                                             \
       .Arg<xla::ffi::AnyBuffer>()                                                               \
@@ -140,8 +172,6 @@ inline ffi::Error make_decode_attention(ffi::AnyBuffer q, ffi::AnyBuffer cache,
       .Ret<xla::ffi::AnyBuffer>()                                                               \
       .Ret<xla::ffi::AnyBuffer>()                                                               \
       .Ret<xla::ffi::AnyBuffer>()                                                               \
-      .Attr<float>("softmax_scale")                                                             \
-      .Attr<int64_t>("q_tokens")                                                                \
-      .Attr<int64_t>("num_splits")
+      .Attrs()
 
 }  // namespace jax_kimi_mla
