@@ -275,6 +275,15 @@ def test_launch_choices_reach_the_handler_only_when_asked():
         got = run(jax_kimi_mla.mla_decode_attention, args, dict(kw, kernel=kernel, programmatic_combine=kernel == "auto"), "cpu")
         for g, w in zip(got, want):
             np.testing.assert_array_equal(g, w)
+    # Under jax.vmap the folded call keeps the choice.
+    batched = {name: np.stack([x, x]) for name, x in args.items()}
+    folded = jax.jit(jax.vmap(lambda *a: jax_kimi_mla.mla_decode_attention(*a, **kw, kernel="mma", return_lse=True)))
+    assert 'kernel = "mma"' in folded.lower(*batched.values()).as_text()
+    with jax.default_device(jax.devices("cpu")[0]):
+        out, lse = folded(*batched.values())
+    for element in (0, 1):
+        np.testing.assert_array_equal(np.asarray(out[element].astype(jnp.float32)), want[0])
+        np.testing.assert_array_equal(np.asarray(lse[element]), want[1])
 
 
 def test_gpus_before_hopper_fall_back_to_the_reference(monkeypatch):
