@@ -146,6 +146,28 @@ def test_exported_neox_step_records_its_rope_style():
         np.testing.assert_array_equal(bits(g), bits(w))
 
 
+def test_exported_decode_attention_records_a_launch_choice():
+    """kernel= and programmatic_combine= are optional attributes of the decode attention call in
+    the artifact (docs/ABI.md); a default call has none. The round trip gives the direct call's bits."""
+    prefill, decode, _ = make_inputs("kv", seed=5)
+    mqa_q = jnp.asarray(np.random.default_rng(5).standard_normal((B, H, 576), np.float32), jnp.bfloat16)
+    args = (mqa_q, prefill["kv_cache"], decode["block_tables"], decode["context_lens"])
+
+    def attend(*args, **launch):
+        return jkm.mla_decode_attention(*args, softmax_scale=0.125, num_splits=2, **launch)
+
+    disabled = [jax.export.DisabledSafetyCheck.custom_call(_ffi.target_name(op)) for op in _ffi.FFI_TARGETS]
+    chosen = functools.partial(attend, kernel="rs-combine", programmatic_combine=False)
+    exported = jax.export.export(jax.jit(chosen), platforms=("cpu",), disabled_checks=disabled)(*args)
+    assert re.search(r'kernel = "rs-combine"', exported.mlir_module()) and "programmatic_combine = false" in exported.mlir_module()
+    default = jax.export.export(jax.jit(attend), platforms=("cpu",), disabled_checks=disabled)(*args)
+    assert "kernel =" not in default.mlir_module() and "programmatic_combine" not in default.mlir_module()
+    with jax.default_device(jax.devices("cpu")[0]):
+        got = jax.export.deserialize(exported.serialize()).call(*args)
+        want = jax.jit(attend)(*args)
+    np.testing.assert_array_equal(bits(got), bits(want))
+
+
 def test_version_1_names_still_run_as_gptj():
     """A v1 call (no rope_style attribute) through its old name gives what the v2 GPT-J call gives."""
     assert 1 in _ffi.COMPATIBLE_ABI_VERSIONS and jkm.ABI_VERSION == 2
