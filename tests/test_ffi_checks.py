@@ -23,11 +23,15 @@ def raw_call(op, operands, results, **attrs):
 
 
 def attention(q_shape=(2, 3, 576), q_dtype=BF16, cache=((4, 2, 576), BF16), tables=(2, 2), lens=(2,), out=None, lse=None,
-              partials=0, q_tokens=1, num_splits=1, scales=(NO_SCALE, NO_SCALE)):
+              partials=0, q_tokens=1, num_splits=1, scales=(NO_SCALE, NO_SCALE), **launch):
+    """A raw call; ``num_splits=None`` leaves that attribute out, ``launch`` adds the optional ones."""
     B = q_shape[0]
     operands = [np.zeros(q_shape, q_dtype), np.zeros(*cache), np.zeros(tables, np.int32), np.ones(lens, np.int32), *scales]
     results = [(out or (B, q_shape[1], 512), BF16), (lse or (B, q_shape[1]), jnp.float32), ((partials,), jnp.float32)]
-    return raw_call("mla_decode_attention", operands, results, softmax_scale=np.float32(0.1), q_tokens=np.int64(q_tokens), num_splits=np.int64(num_splits))
+    attrs = dict(softmax_scale=np.float32(0.1), q_tokens=np.int64(q_tokens), **launch)
+    if num_splits is not None:
+        attrs["num_splits"] = np.int64(num_splits)
+    return raw_call("mla_decode_attention", operands, results, **attrs)
 
 
 def test_a_well_formed_raw_call_runs():
@@ -50,32 +54,14 @@ def test_a_well_formed_raw_call_runs():
         (dict(lse=(2, 4)), "lse must be float32 [B * S_q, H]"),
         (dict(num_splits=2), "partials must be float32 [num_splits * B * S_q * H * 513] (empty for one split)"),
         (dict(num_splits=0), "num_splits must be 1..1024"),
+        (dict(num_splits=None), "the attributes softmax_scale (f32), q_tokens and num_splits (i64) are required"),
+        (dict(kernel="fast"), 'kernel must be the string "auto", "mma", "rs", "rs-combine" or "wide"'),
+        (dict(programmatic_combine=np.int64(0)), "programmatic_combine must be a bool"),
     ],
 )
 def test_malformed_attention_calls_fail_with_the_handlers_message(kwargs, message):
     with pytest.raises(jax.errors.JaxRuntimeError, match=f"jax_kimi_mla mla_decode_attention: {re.escape(message)}"):
         attention(**kwargs)
-
-
-@pytest.mark.parametrize(
-    "attrs, message",
-    [
-        (dict(kernel="fast"), 'kernel must be the string "auto", "mma", "rs", "rs-combine" or "wide"'),
-        (dict(programmatic_combine=np.int64(0)), "programmatic_combine must be a bool"),
-    ],
-)
-def test_decode_attention_handler_checks_its_launch_choices(attrs, message):
-    operands = [np.zeros((2, 3, 576), BF16), np.zeros((4, 2, 576), BF16), np.zeros((2, 2), np.int32), np.ones(2, np.int32), NO_SCALE, NO_SCALE]
-    results = [((2, 3, 512), BF16), ((2, 3), jnp.float32), ((0,), jnp.float32)]
-    with pytest.raises(jax.errors.JaxRuntimeError, match=f"jax_kimi_mla mla_decode_attention: {re.escape(message)}"):
-        raw_call("mla_decode_attention", operands, results, softmax_scale=np.float32(0.1), q_tokens=np.int64(1), num_splits=np.int64(1), **attrs)
-
-
-def test_decode_attention_handler_needs_its_attributes():
-    operands = [np.zeros((2, 3, 576), BF16), np.zeros((4, 2, 576), BF16), np.zeros((2, 2), np.int32), np.ones(2, np.int32), NO_SCALE, NO_SCALE]
-    results = [((2, 3, 512), BF16), ((2, 3), jnp.float32), ((0,), jnp.float32)]
-    with pytest.raises(jax.errors.JaxRuntimeError, match="the attributes softmax_scale .f32., q_tokens and num_splits .i64. are required"):
-        raw_call("mla_decode_attention", operands, results, softmax_scale=np.float32(0.1), q_tokens=np.int64(1))
 
 
 @pytest.mark.parametrize(

@@ -227,12 +227,8 @@ int run_case(const Case& k, std::mt19937& rng) {
   std::vector<std::vector<float>> lse(kKernels);
   std::vector<float> us(kKernels);
   const auto choose = [](const std::string& name) {
-    DecodeLaunch launch;
-    launch.kernel = name == "mma"          ? KernelRequest::kMma
-                    : name == "rs"         ? KernelRequest::kRs
-                    : name == "rs-combine" ? KernelRequest::kRsCombine
-                    : name == "wide"       ? KernelRequest::kWide
-                                           : KernelRequest::kAuto;  // "default"
+    DecodeLaunch launch;  // "default" (or an unknown name): the kernel that suits the call
+    kernel_request(name, launch.kernel);
     return launch;
   };
   for (int kernel = 0; kernel < kKernels; ++kernel) {

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <string>
+#include <string_view>
+#include <utility>
 
 #include "jax_kimi_mla/paged_cache.h"
 
@@ -77,6 +79,20 @@ struct DecodeLaunch {
   bool programmatic_combine = true;
 };
 
+// The request a `kernel` attribute's string names (_checks.DECODE_KERNELS); false for any other.
+inline bool kernel_request(std::string_view name, KernelRequest& request) {
+  constexpr std::pair<std::string_view, KernelRequest> kNames[] = {
+      {"auto", KernelRequest::kAuto}, {"mma", KernelRequest::kMma}, {"wide", KernelRequest::kWide},
+      {"rs", KernelRequest::kRs},     {"rs-combine", KernelRequest::kRsCombine}};
+  for (const auto& [known, value] : kNames) {
+    if (name == known) {
+      request = value;
+      return true;
+    }
+  }
+  return false;
+}
+
 // ---- FFI operands -> DecodeAttention (host) ----
 
 constexpr std::string_view kDecodeAttentionTarget = "mla_decode_attention";  // as errors name it
@@ -105,13 +121,8 @@ inline ffi::Error make_decode_attention(ffi::AnyBuffer q, ffi::AnyBuffer cache,
   const int64_t q_tokens = *q_tokens_attr, num_splits = *num_splits_attr;
   if (attrs.contains("kernel")) {
     const auto kernel = attrs.get<std::string_view>("kernel");
-    const std::string_view name = kernel.has_value() ? *kernel : "";
-    if (name == "auto") launch.kernel = KernelRequest::kAuto;
-    else if (name == "mma") launch.kernel = KernelRequest::kMma;
-    else if (name == "rs") launch.kernel = KernelRequest::kRs;
-    else if (name == "rs-combine") launch.kernel = KernelRequest::kRsCombine;
-    else if (name == "wide") launch.kernel = KernelRequest::kWide;
-    else return fail("kernel must be the string \"auto\", \"mma\", \"rs\", \"rs-combine\" or \"wide\"");
+    if (!kernel.has_value() || !kernel_request(*kernel, launch.kernel))
+      return fail("kernel must be the string \"auto\", \"mma\", \"rs\", \"rs-combine\" or \"wide\"");
   }
   if (attrs.contains("programmatic_combine")) {
     const auto programmatic = attrs.get<bool>("programmatic_combine");
