@@ -294,8 +294,9 @@ def mla_decode_attention(
         reference check and ignore them). ``kernel`` is "auto" (the kernel that suits the call),
         or one asked for where it applies (docs/DECODE_ATTENTION.md, "Kernels and the launch
         choices"): "mma" (the general mma.sync kernel), "wide" (the 64-row wgmma kernel, 16-bit cache at
-        S_q = 1, also with fewer heads), "rs" (fp8_ds_mla's wgmma kernel at S_q = 1, also with
-        short splits) or "rs-combine" (that kernel with its splits merged by the combine kernel).
+        S_q = 1, also with fewer heads), "rs" (the 1-byte caches' wgmma kernel at S_q = 1:
+        fp8_ds_mla also with short splits, the plain fp8 cache under an fp8 mqa_q) or "rs-combine"
+        (that kernel with its splits merged by the combine kernel).
         ``programmatic_combine=False`` launches the kernel that merges the splits after the
         attention kernel instead of as its programmatic dependent.
 

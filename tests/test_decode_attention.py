@@ -310,7 +310,8 @@ def test_cuda_long_contexts(fmt, q_dtype, q_tokens):
 
 
 # The kernels a call takes only when asked (kernel=): rs (fp8_ds_mla at S_q = 1
-# on sm_90, also where its splits are too short to be the default), and mma, the general kernel
+# on sm_90, also where its splits are too short to be the default; the plain fp8 cache under an
+# E4M3 query, its tiles by tensor-map boxes, S^T on E4M3 wgmma), and mma, the general kernel
 # where the plain fp8 cache under an E4M3 query, or fp8_ds_mla with long splits, at S_q = 1 would
 # take its own (fp8_attention_kernel, rs_attention_kernel): long and ragged lengths, split
 # counts, block sizes, a NaN inside a length.
@@ -326,6 +327,7 @@ REQUESTED_CASES = {
 
 
 KERNEL_CHOICES = [("rs", *f) for f in FORMATS if f[0] == "fp8_ds_mla"] + [
+    ("rs", "fp8", "float8_e4m3fn"),
     ("mma", "fp8", "float8_e4m3fn"),
     ("mma", "fp8_ds_mla", "bfloat16"),
 ]
@@ -449,14 +451,15 @@ def test_cuda_many_heads(q_dtype, kernel, case):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("num_splits,rs", ((64, False), (16, True), (1, True)))
-def test_cuda_ds_mla_kernel_by_split_length(num_splits, rs):
-    """fp8_ds_mla at S_q = 1 takes rs_attention_kernel on sm_90 by default where a split of the
-    table's length holds at least 4 tiles (4096 tokens: 1 tile in 64 splits, 4 in 16), and
-    attention_kernel below that; both agree with the reference."""
-    args, kw = make_case("fp8_ds_mla", "bfloat16", lens=(4096, 1000), heads=12, block_size=64, seed=8)
+@pytest.mark.parametrize("fmt,q_dtype", (("fp8_ds_mla", "bfloat16"), ("fp8", "float8_e4m3fn")))
+def test_cuda_1byte_kernel_by_split_length(fmt, q_dtype, num_splits, rs):
+    """fp8_ds_mla, and the plain fp8 cache under an fp8 mqa_q, at S_q = 1 take rs_attention_kernel
+    on sm_90 by default where a split of the table's length holds at least 4 tiles (4096 tokens: 1
+    tile in 64 splits, 4 in 16), and their other kernels below that; all agree with the reference."""
+    args, kw = make_case(fmt, q_dtype, lens=(4096, 1000), heads=12, block_size=64, seed=8)
     kw = dict(kw, num_splits=num_splits)
     want = run(reference.mla_decode_attention, args, kw, "cpu")
-    assert_close("fp8_ds_mla", "bfloat16", poisoned_run(args, kw, "cuda"), want)
+    assert_close(fmt, q_dtype, poisoned_run(args, kw, "cuda"), want)
     names = gpu_kernel_names(lambda: run(jax_kimi_mla.mla_decode_attention, args, kw, "cuda"))
     if not names:  # the values were checked; only the trace is missing
         pytest.skip("no GPU kernels in the profiler's trace (compute-sanitizer holds the profiling interface)")
@@ -468,18 +471,19 @@ def test_cuda_ds_mla_kernel_by_split_length(num_splits, rs):
 @pytest.mark.parametrize("heads", (12, 20))
 @pytest.mark.parametrize("num_splits", (2, 3, 5, 8))
 @pytest.mark.parametrize("kernel", ("rs", "rs-combine"))
-def test_cuda_rs_splits_merged_in_a_cluster(kernel, num_splits, heads):
+@pytest.mark.parametrize("fmt,q_dtype", (("fp8_ds_mla", "bfloat16"), ("fp8", "float8_e4m3fn")))
+def test_cuda_rs_splits_merged_in_a_cluster(fmt, q_dtype, kernel, num_splits, heads):
     """rs_attention_kernel's 2-8 splits of a sequence run as one thread block cluster and merge
     there: combine_kernel is not launched. "rs-combine" merges the same splits in combine_kernel.
     Ragged lengths leave splits past the length (0, 1 and 63 tokens: splits that only stage empty
     rows), a NaN inside one length reaches that sequence alone, and 20 heads add a second row group
     (4 real rows, 12 padding)."""
-    args, kw = make_case("fp8_ds_mla", "bfloat16", lens=(0, 1, 63, 700, 3000, 129), heads=heads, block_size=64,
+    args, kw = make_case(fmt, q_dtype, lens=(0, 1, 63, 700, 3000, 129), heads=heads, block_size=64,
                          seed=13, nan_token=(3, 650))
     kw = dict(kw, num_splits=num_splits, kernel=kernel)
     want = run(reference.mla_decode_attention, args, kw, "cpu")
     assert np.isnan(want[1][3]).all() and np.isfinite(want[1][4]).all()
-    assert_close("fp8_ds_mla", "bfloat16", poisoned_run(args, kw, "cuda"), want)
+    assert_close(fmt, q_dtype, poisoned_run(args, kw, "cuda"), want)
     names = gpu_kernel_names(lambda: run(jax_kimi_mla.mla_decode_attention, args, kw, "cuda"))
     if not names:  # the values were checked; only the trace is missing
         pytest.skip("no GPU kernels in the profiler's trace (compute-sanitizer holds the profiling interface)")

@@ -1,8 +1,8 @@
 // The mla_decode_attention CUDA kernels (ffi/cuda/decode_attention_cuda.cu, included as it is)
 // alone on a GPU, without building the extension: for the 1-byte formats, the kernel each
-// `kernel` choice (DecodeLaunch) takes (mma: attention_kernel; default: auto, which for
-// plain fp8 under an E4M3 q is fp8_attention_kernel and for fp8_ds_mla from 4 tiles a split
-// rs_attention_kernel; rs: rs_attention_kernel for fp8_ds_mla at any split length) on the same
+// `kernel` choice (DecodeLaunch) takes (mma: attention_kernel; default: auto, which for both
+// (plain fp8 under an E4M3 q, fp8_ds_mla) is rs_attention_kernel from 4 tiles a split, below that
+// fp8_attention_kernel or attention_kernel; rs: rs_attention_kernel at any split length) on the same
 // inputs, each against the first, timed at the benchmark's memory-bound size and at B = 1, so that
 // a kernel change can be judged in one short device call. The tests of
 // tests/test_decode_attention.py remain the correctness reference; this only guards against
@@ -215,7 +215,7 @@ int run_case(const Case& k, std::mt19937& rng) {
   a.out = d_out, a.lse = d_lse, a.partials = k.splits > 1 ? d_partials : nullptr, a.num_splits = k.splits;
 
   // The kernels by the `kernel` choice: attention_kernel (forced), the default,
-  // rs_attention_kernel where the format is fp8_ds_mla (else the default); each against the first.
+  // rs_attention_kernel where the format is a 1-byte one (else the default); each against the first.
   std::vector<std::string> kernels = {"mma", "default", "rs"};
   if (const char* env = std::getenv("PROBE_KERNELS")) {
     kernels.clear();

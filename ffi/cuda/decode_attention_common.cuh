@@ -450,25 +450,62 @@ __device__ __forceinline__ void box_copy(void* dst, const CUtensorMap& map, int 
            : "memory");
 }
 
-// The 16-bit cache as 2D tensors of 576 columns x (num_blocks * block_size) rows (row stride
-// row_bytes, so padded rows too), read in 64-column boxes of 64 rows (a whole tile of consecutive
-// rows) or of 16 rows (a token group), 128-byte swizzled. Built by the host per call; unused (and
-// zero) for the 1-byte formats.
+// The cache as 2D tensors of 576 columns x (num_blocks * block_size) rows (row stride row_bytes,
+// so padded rows too), read in boxes of 64 rows (a whole tile of consecutive rows) or of 16 rows
+// (a token group): the 16-bit cache in 64-column boxes, 128-byte swizzled (tile, group); the plain
+// fp8 cache (rs_attention_kernel) in 128-column boxes, 128-byte swizzled (tile, group), and its 64
+// rope columns in 64-byte swizzled boxes (rope_tile, rope_group). Built by the host per call; the
+// maps a format does not use are zero.
 struct TileMaps {
-  CUtensorMap tile, group;
+  CUtensorMap tile, group, rope_tile, rope_group;
 };
 
 // At the kernel's start, off the prologue's chain: the first copies then find the descriptors
 // cached (a one-tile CTA at B = 1 otherwise waits for their fetch).
+template <CacheFormat kFormat = CacheFormat::kBf16>
 __device__ __forceinline__ void prefetch_tile_maps(const TileMaps& maps) {
   if (threadIdx.x == 0) prefetch_tensor_map(&maps.tile);
   if (threadIdx.x == 32) prefetch_tensor_map(&maps.group);
+  if constexpr (kFormat == CacheFormat::kFp8) {
+    if (threadIdx.x == 64) prefetch_tensor_map(&maps.rope_tile);
+    if (threadIdx.x == 96) prefetch_tensor_map(&maps.rope_group);
+  }
 }
 
 // Byte offset of 16-byte piece `piece` (of 72) of row `row` in a swizzled 16-bit tile.
 __device__ __forceinline__ int swizzled_offset(int row, int piece) {
   return (piece >> 3) * kChunkBytes + row * 128 + (((piece & 7) ^ (row & 7)) << 4);
 }
+
+// Byte offset of code `col` of row `row` in a plain-fp8 tile of `rows` rows as its boxes land it
+// (the layout of E4M3 wgmma operands from shared memory): columns 0-511 in four chunks of rows x
+// 128 bytes, 128-byte swizzled (swizzled_piece), the 64 rope columns in a fifth chunk of rows x 64
+// bytes, 64-byte swizzled (16-byte piece p of row r at p ^ (r / 2 % 4)).
+__host__ __device__ constexpr int fp8_tile_offset(int row, int col, int rows) {
+  return col < kLatent ? swizzled_piece(row, col >> 4, rows) + (col & 15)
+                       : kLatent / 128 * rows * 128 + row * 64 + ((((col - kLatent) >> 4) ^ ((row >> 1) & 3)) << 4) +
+                             (col & 15);
+}
+
+// The chunks of a tile as issue_swizzled_tile lands them: the 16-bit cache in nine chunks of
+// 64-column boxes, the plain fp8 cache in five (fp8_tile_offset). Chunk k lies at k x kChunkBytes.
+template <CacheFormat kFormat>
+struct BoxedTile {
+  static constexpr bool kFp8 = kFormat == CacheFormat::kFp8;
+  static constexpr int kChunks = kFp8 ? kLatent / 128 + 1 : kEntry / 64;
+  static constexpr int kPieces = kFp8 ? kEntry / 16 : kEntry / 8;  // 16-byte pieces a row
+  static constexpr int kBytes = kFp8 ? kTileTokens * kEntry : kChunks * kChunkBytes;
+  __device__ static int row_bytes(int chunk) { return kFp8 && chunk == kChunks - 1 ? 64 : 128; }
+  __device__ static int column(int chunk) { return (kFp8 ? 128 : 64) * chunk; }  // in the map's elements
+  __device__ static const CUtensorMap& map(const TileMaps& maps, int chunk, bool whole) {
+    if (kFp8 && chunk == kChunks - 1) return whole ? maps.rope_tile : maps.rope_group;
+    return whole ? maps.tile : maps.group;
+  }
+  __device__ static int piece_offset(int row, int piece) {
+    return kFp8 ? fp8_tile_offset(row, 16 * piece, kTileTokens) : swizzled_offset(row, piece);
+  }
+};
+static_assert(BoxedTile<CacheFormat::kFp8>::kBytes == (BoxedTile<CacheFormat::kFp8>::kChunks - 1) * kChunkBytes + kTileTokens * 64);
 
 // The bytes of the run of consecutive cache rows that this lane's token starts among its warp's
 // 32 consecutive tokens (lane = token % 32), or 0 where the token continues a run or is masked
@@ -507,16 +544,20 @@ __device__ __forceinline__ void issue_raw_tile(const DecodeAttention& a, int64_t
   mbarrier_arrive(bar);  // a continuing row: copied by its run's first thread
 }
 
-// Warp 0 issues a 16-bit tile (lane l: tokens l and l + 32; rows[t] the cache row of token t or
-// -1). A tile of 64 consecutive rows is 9 boxes of 64 rows (lanes 0-8, a chunk each). Otherwise a
-// 16-token group whose live tokens are a run of consecutive rows from its first token is 9 boxes
-// of 16 rows; a group with any other live pattern (a block size below 16, masked block ids in the
-// middle) is read with plain loads by the whole warp, before the arrivals. The rows of masked
-// tokens are left to zero_rows: a box lands whatever rows follow a run (garbage, NaN), and the
-// CTA zeroes them once the tile has landed, before any warp reads it. Each lane arrives once.
+// A warp issues a tile by TMA boxes (BoxedTile: a 16-bit tile, or rs_attention_kernel's plain fp8
+// one; lane l: tokens l and l + 32; rows[t] the cache row of token t or -1). A tile of 64
+// consecutive rows is a box of 64 rows a chunk (lanes 0-8 or 0-4, a chunk each). Otherwise a
+// 16-token group whose live tokens are a run of consecutive rows from its first token is a box of
+// 16 rows a chunk; a group with any other live pattern (a block size below 16, masked block ids in
+// the middle) is read with plain loads by the whole warp, before the arrivals. The rows of masked
+// tokens are left to zero_rows: a box lands whatever rows follow a run (garbage, NaN), and they
+// are zeroed (zero_masked_rows) once the tile has landed, before anything reads it. Each lane
+// arrives once.
+template <CacheFormat kFormat = CacheFormat::kBf16>
 __device__ void issue_swizzled_tile(const DecodeAttention& a, const TileMaps& maps, const int64_t* rows,
                                     uint8_t* stage, uint64_t* bar, uint64_t* zero_rows) {
-  const int lane = int(threadIdx.x);
+  using T = BoxedTile<kFormat>;
+  const int lane = int(threadIdx.x) % 32;
   uint64_t live = 0, continues = 0;  // bit t: token t has a row; its row follows token t - 1's
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -537,27 +578,28 @@ __device__ void issue_swizzled_tile(const DecodeAttention& a, const TileMaps& ma
   if (!whole) {
     for (uint32_t m = loaded; m != 0; m &= m - 1) {  // rare: every live row, 16 bytes per lane
       const int q = __ffs(int(m)) - 1;
-      for (int i = lane; i < kBoxRows * kEntry / 8; i += 32) {
-        const int t = kBoxRows * q + i / (kEntry / 8), piece = i % (kEntry / 8);
+      for (int i = lane; i < kBoxRows * T::kPieces; i += 32) {
+        const int t = kBoxRows * q + i / T::kPieces, piece = i % T::kPieces;
         if (rows[t] >= 0)
-          *reinterpret_cast<uint4*>(stage + swizzled_offset(t, piece)) =
+          *reinterpret_cast<uint4*>(stage + T::piece_offset(t, piece)) =
               __ldg(reinterpret_cast<const uint4*>(a.cache + rows[t] * a.row_bytes) + piece);
       }
     }
     if (loaded != 0) fence_proxy_async();  // before a later box lands on these bytes
   }
   if (lane == 0) *zero_rows = ~live;
-  constexpr int kChunks = kEntry / 64;
-  if (lane < kChunks) {
+  if (lane < T::kChunks) {
     uint8_t* chunk = stage + lane * kChunkBytes;
+    const int row_bytes = T::row_bytes(lane);
     if (whole) {
-      mbarrier_arrive_expect_bytes(bar, kChunkBytes);
-      box_copy(chunk, maps.tile, 64 * lane, int(rows[0]), bar);
+      mbarrier_arrive_expect_bytes(bar, uint32_t(kTileTokens * row_bytes));
+      box_copy(chunk, T::map(maps, lane, true), T::column(lane), int(rows[0]), bar);
     } else {
-      mbarrier_arrive_expect_bytes(bar, uint32_t(__popc(boxed)) * kBoxRows * 128);
+      mbarrier_arrive_expect_bytes(bar, uint32_t(__popc(boxed)) * kBoxRows * row_bytes);
       for (uint32_t m = boxed; m != 0; m &= m - 1) {
         const int q = __ffs(int(m)) - 1;
-        box_copy(chunk + q * kBoxRows * 128, maps.group, 64 * lane, int(rows[kBoxRows * q]), bar);
+        box_copy(chunk + q * kBoxRows * row_bytes, T::map(maps, lane, false), T::column(lane),
+                 int(rows[kBoxRows * q]), bar);
       }
     }
   } else {
@@ -565,19 +607,21 @@ __device__ void issue_swizzled_tile(const DecodeAttention& a, const TileMaps& ma
   }
 }
 
-// After a 16-bit tile has landed: zero the rows of its masked tokens (every thread a share of
-// their 128-byte chunk rows), before the barrier that lets the warps read it.
-__device__ __forceinline__ void zero_masked_rows(uint64_t mask, uint8_t* stage) {
+// After a tile of issue_swizzled_tile has landed: zero the rows of its masked tokens (thread
+// `thread` of `threads` a share of their chunk rows), before the barrier that lets the warps read it.
+template <CacheFormat kFormat = CacheFormat::kBf16>
+__device__ __forceinline__ void zero_masked_rows(uint64_t mask, uint8_t* stage, int thread = int(threadIdx.x),
+                                                 int threads = kThreads) {
+  using T = BoxedTile<kFormat>;
   if (mask == 0) return;
-  for (int i = int(threadIdx.x); i < kTileTokens * (kEntry / 64); i += kThreads) {
-    const int t = i % kTileTokens, chunk = i / kTileTokens;
+  for (int i = thread; i < kTileTokens * T::kChunks; i += threads) {
+    const int t = i % kTileTokens, chunk = i / kTileTokens, row_bytes = T::row_bytes(chunk);
     if ((mask >> t) & 1) {
-      uint4* dst = reinterpret_cast<uint4*>(stage + chunk * kChunkBytes + t * 128);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) dst[j] = make_uint4(0, 0, 0, 0);
+      uint4* dst = reinterpret_cast<uint4*>(stage + chunk * kChunkBytes + t * row_bytes);
+      for (int j = 0; j < row_bytes / 16; ++j) dst[j] = make_uint4(0, 0, 0, 0);
     }
   }
-  fence_proxy_async();  // before a later box lands on these bytes
+  fence_proxy_async();  // before a later box lands on these bytes, and before wgmma reads them
 }
 
 // This thread's place in the MMA fragments and the lengths its two rows see.

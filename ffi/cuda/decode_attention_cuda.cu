@@ -76,16 +76,19 @@
 //    of the conversion and P.V (+20%). 4 warps x 32-token tiles at 2 CTAs per SM measured slower,
 //    and so did 16 warps for plain fp8 (271 against 232 us: each warp's fixed per-tile work, about
 //    300 instructions, doubled with the warps).
-// 1b. fp8_attention_kernel (the default for the plain fp8 cache under an E4M3 query at S_q = 1),
+// 1b. fp8_attention_kernel (the default for the plain fp8 cache under an E4M3 query at S_q = 1
+//    where rs_attention_kernel is not: shorter splits, GPUs other than sm_90),
 //    in place of attention_kernel: the same CTA and phases, but P.V reads the raw codes and
 //    converts them in registers, so no converted V tile is written or read (its section below).
 // 1c. wide_attention_kernel (the default for a 16-bit cache at S_q = 1 with many query rows, on
 //    sm_90): 64 rows a CTA on wgmma, the query tile resident in shared memory, so that a tile is
 //    read and multiplied once per 64 heads instead of 16 (its section below).
-// 1d. rs_attention_kernel (the default for fp8_ds_mla at S_q = 1 on sm_90 from 4 tiles a split):
-//    the tokens as M of wgmma with the A operand converted in registers by each consumer thread,
-//    two warpgroups on alternate tiles (its section below). H200, B 64 x 16k: 205 us (79%). With
-//    2-8 splits, a sequence's splits are one thread block cluster and merge there (no combine).
+// 1d. rs_attention_kernel (the default for fp8_ds_mla, and for the plain fp8 cache under an E4M3
+//    query, at S_q = 1 on sm_90 from 4 tiles a split): the tokens as M of wgmma, two warpgroups on
+//    alternate tiles (its section below); fp8_ds_mla's A operand converted in registers by each
+//    consumer thread, plain fp8's S^T on E4M3 operands from shared memory (its tiles by tensor-map
+//    boxes). H200, B 64 x 16k: fp8_ds_mla 205 us (79%), plain fp8 187 us (76%). With 2-8 splits, a
+//    sequence's splits are one thread block cluster and merge there (no combine).
 // 2. combine_kernel (num_splits > 1, unless merged in a cluster), one CTA per (row, sequence),
 //    16 warps when the rows are fewer than twice the SMs (a row's splits loaded in one round; a
 //    row's columns in 2 or 4 CTAs where the SMs outnumber the rows that much), else 4: the live
@@ -150,23 +153,37 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encode;
 }
 
-// The TMA boxes of a 16-bit cache (TileMaps). An empty cache gets none: no token has a row.
+// The TMA boxes of a 16-bit or plain fp8 cache (TileMaps). An empty cache gets none: no token has
+// a row.
 ffi::Error make_tile_maps(const DecodeAttention& a, TileMaps& maps) {
   const int64_t rows = a.num_blocks * a.block_size;
   if (rows == 0) return ffi::Error::Success();
-  if (rows > INT32_MAX)  // box coordinates are int32
+  if (rows > INT32_MAX)  // box coordinates are int32 (choose_kernel keeps larger fp8 caches off boxes)
     return invalid_argument(kDecodeAttentionTarget, "a 16-bit cache of more than 2^31 - 1 rows");
   const auto encode = tensor_map_encoder();
   if (encode == nullptr)
     return internal_error(kDecodeAttentionTarget, "the CUDA driver has no cuTensorMapEncodeTiled");
+  const bool fp8 = a.cache_format == CacheFormat::kFp8;
   const cuuint64_t dims[2] = {cuuint64_t(kEntry), cuuint64_t(rows)};
   const cuuint64_t strides[1] = {cuuint64_t(a.row_bytes)};
   const cuuint32_t elem_strides[2] = {1, 1};
-  for (const auto& [map, box_rows] : {std::pair{&maps.tile, kTileTokens}, std::pair{&maps.group, kBoxRows}}) {
-    const cuuint32_t box[2] = {64, cuuint32_t(box_rows)};
-    const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<uint8_t*>(a.cache), dims, strides,
-                              box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  struct Box {
+    CUtensorMap* map;
+    cuuint32_t columns, rows;
+    CUtensorMapSwizzle swizzle;
+  };
+  // BoxedTile: 128-byte rows of 64 16-bit or 128 E4M3 columns; plain fp8's rope columns in 64 bytes.
+  const cuuint32_t columns = fp8 ? 128 : 64;
+  const Box boxes[4] = {{&maps.tile, columns, kTileTokens, CU_TENSOR_MAP_SWIZZLE_128B},
+                        {&maps.group, columns, kBoxRows, CU_TENSOR_MAP_SWIZZLE_128B},
+                        {&maps.rope_tile, kRope, kTileTokens, CU_TENSOR_MAP_SWIZZLE_64B},
+                        {&maps.rope_group, kRope, kBoxRows, CU_TENSOR_MAP_SWIZZLE_64B}};
+  for (int i = 0; i < (fp8 ? 4 : 2); ++i) {
+    const cuuint32_t box[2] = {boxes[i].columns, boxes[i].rows};
+    const CUresult r = encode(boxes[i].map, fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_UINT16, 2,
+                              const_cast<uint8_t*>(a.cache), dims, strides, box, elem_strides,
+                              CU_TENSOR_MAP_INTERLEAVE_NONE, boxes[i].swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS)
       return internal_error(kDecodeAttentionTarget, "cuTensorMapEncodeTiled failed (CUresult " + std::to_string(int(r)) + ")");
   }
@@ -207,31 +224,38 @@ ffi::Error launch_wide_attention(cudaStream_t stream, const DecodeAttention& a, 
 
 // rs_attention_kernel's launch over grid, its shared memory allowed; with a cluster of the grid's
 // splits (grid.x CTAs) where `cluster` (attribute: the storage of that setting).
+template <CacheFormat kFormat>
 cudaLaunchConfig_t rs_launch_config(dim3 grid, cudaStream_t stream, bool cluster, cudaLaunchAttribute& attribute,
                                     cudaError_t& err) {
-  err = cudaFuncSetAttribute(rs_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, RsLayout::kBytes);
+  constexpr int kBytes = RsLayout<kFormat>::kBytes;
+  err = cudaFuncSetAttribute(rs_attention_kernel<kFormat>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
   attribute = cudaLaunchAttribute{};
   attribute.id = cudaLaunchAttributeClusterDimension;
   attribute.val.clusterDim.x = grid.x, attribute.val.clusterDim.y = 1, attribute.val.clusterDim.z = 1;
   cudaLaunchConfig_t config{};
-  config.gridDim = grid, config.blockDim = dim3(kThreads), config.dynamicSmemBytes = RsLayout::kBytes;
+  config.gridDim = grid, config.blockDim = dim3(kThreads), config.dynamicSmemBytes = kBytes;
   config.stream = stream, config.attrs = &attribute, config.numAttrs = cluster ? 1 : 0;
   return config;
 }
 
 // rs_attention_kernel, its splits as one cluster (merged there, no combine_kernel) or not.
+template <CacheFormat kFormat>
 ffi::Error launch_rs_attention(cudaStream_t stream, const DecodeAttention& a, dim3 grid, bool cluster) {
+  TileMaps maps{};
+  if constexpr (kFormat == CacheFormat::kFp8)
+    if (ffi::Error map_err = make_tile_maps(a, maps); map_err.failure()) return map_err;
   cudaLaunchAttribute attribute;
   cudaError_t err = cudaSuccess;
-  const cudaLaunchConfig_t config = rs_launch_config(grid, stream, cluster, attribute, err);
+  const cudaLaunchConfig_t config = rs_launch_config<kFormat>(grid, stream, cluster, attribute, err);
   if (err != cudaSuccess) return cuda_error("allowing rs_attention_kernel's shared memory", err);
-  err = cudaLaunchKernelEx(&config, rs_attention_kernel, a);
+  err = cudaLaunchKernelEx(&config, rs_attention_kernel<kFormat>, a, maps);
   return err == cudaSuccess ? ffi::Error::Success() : cuda_error("launching rs_attention_kernel", err);
 }
 
 // Whether a call's splits (2..kMaxClusterSplits) may be clusters of rs_attention_kernel: every
 // cluster of the grid resident at once (one CTA per SM, a cluster inside one GPC), as the split
 // count's wave rule assumes. The most resident clusters are asked once per device and size.
+template <CacheFormat kFormat>
 bool rs_splits_fit_a_cluster(int device, dim3 grid) {
   const int splits = int(grid.x);
   if (splits < 2 || splits > kMaxClusterSplits || device < 0 || device >= 64) return false;
@@ -241,8 +265,9 @@ bool rs_splits_fit_a_cluster(int device, dim3 grid) {
     int clusters = 0;
     cudaLaunchAttribute attribute;
     cudaError_t err = cudaSuccess;
-    const cudaLaunchConfig_t config = rs_launch_config(dim3(unsigned(splits)), nullptr, true, attribute, err);
-    if (err != cudaSuccess || cudaOccupancyMaxActiveClusters(&clusters, rs_attention_kernel, &config) != cudaSuccess) {
+    const cudaLaunchConfig_t config = rs_launch_config<kFormat>(dim3(unsigned(splits)), nullptr, true, attribute, err);
+    if (err != cudaSuccess ||
+        cudaOccupancyMaxActiveClusters(&clusters, rs_attention_kernel<kFormat>, &config) != cudaSuccess) {
       cudaGetLastError();  // not an error of the call: it takes combine_kernel
       clusters = 0;
     }
@@ -254,13 +279,14 @@ bool rs_splits_fit_a_cluster(int device, dim3 grid) {
 
 // The kernel a call takes. The call's `kernel` attribute (DecodeLaunch; for comparisons and tests)
 // may ask for another than the default where that one applies:
-// - fp8_attention_kernel (the default where it applies): the plain fp8 cache under an E4M3 query
-//   at S_q = 1, in a build that has the sm_89+ fp8 conversion (not JAX_KIMI_MLA_SOFTWARE_FP8).
-//   "mma" asks for attention_kernel instead.
-// - rs_attention_kernel (the default where it applies; "rs" forces it, "mma" refuses it): fp8_ds_mla
-//   at S_q = 1 on an sm_90 GPU, in a build with sm_90a code and the fp8 conversion, B <= 65535, from
-//   kRsMinSplitTiles tiles a split. Its splits merge in a cluster where rs_splits_fit_a_cluster
-//   ("rs-combine" forces the kernel with combine_kernel's merge instead).
+// - rs_attention_kernel ("rs" forces it where it applies, "mma" refuses it): fp8_ds_mla, or the
+//   plain fp8 cache under an E4M3 query (of at most 2^31 - 1 rows: its boxes' coordinates), at
+//   S_q = 1 on an sm_90 GPU, in a build with sm_90a code and the fp8 conversion, B <= 65535. The
+//   default there from kRsMinSplitTiles tiles a split. Its splits merge in a cluster where
+//   rs_splits_fit_a_cluster ("rs-combine" forces the kernel with combine_kernel's merge instead).
+// - fp8_attention_kernel (the default where it applies and rs_attention_kernel is not taken): the
+//   plain fp8 cache under an E4M3 query at S_q = 1, in a build that has the sm_89+ fp8 conversion
+//   (not JAX_KIMI_MLA_SOFTWARE_FP8). "mma" asks for attention_kernel instead.
 // - wide_attention_kernel (the default where it applies): a 16-bit cache at S_q = 1 with many query
 //   rows (kWideMinRows, or fewer in larger batches), on an sm_90 GPU, in a build with sm_90a code
 //   (wgmma). "mma" asks for attention_kernel instead, "wide" for this kernel with fewer rows too.
@@ -280,16 +306,18 @@ constexpr bool kWgmmaBuilt = false;
 
 DecodeKernel choose_kernel(const DecodeAttention& a, int major, KernelRequest choice) {
   using R = KernelRequest;
-  if (choice != R::kMma && kFp8KernelBuilt && a.cache_format == CacheFormat::kFp8 && a.q_type == QType::kE4m3 &&
-      a.q_tokens == 1)
-    return DecodeKernel::kFp8;
+  const bool fp8_under_e4m3 = a.cache_format == CacheFormat::kFp8 && a.q_type == QType::kE4m3;
+  const bool rs_asked = choice == R::kRs || choice == R::kRsCombine;
+  const bool rs_applies = kFp8KernelBuilt && kWgmmaBuilt && major == 9 && a.q_tokens == 1 && a.batch <= kMaxGridYZ &&
+                          (a.cache_format == CacheFormat::kFp8DsMla ||
+                           (fp8_under_e4m3 && a.num_blocks * a.block_size <= INT32_MAX));
   // rs_attention_kernel from 4 tiles a split (of the longest sequence the table holds): with fewer,
-  // its one-warpgroup tiles and longer prologue lose to attention_kernel (H200, H 12: 15.3 against
-  // 12.2 us at B = 1, context 4096; 19.8 against 20.1 at B = 8, 4 tiles a split).
-  if (choice != R::kMma && kFp8KernelBuilt && kWgmmaBuilt && major == 9 &&
-      a.cache_format == CacheFormat::kFp8DsMla && a.q_tokens == 1 && a.batch <= kMaxGridYZ &&
-      (choice == R::kRs || choice == R::kRsCombine || a.split_tokens(a.max_len()) >= kRsMinSplitTiles * kTileTokens))
+  // its one-warpgroup tiles and longer prologue lose (H200, H 12, B = 1, context 4096: fp8_ds_mla
+  // 15.3 against attention_kernel's 12.2 us, plain fp8 16.2 against fp8_attention_kernel's 13.4).
+  if (choice != R::kMma && rs_applies &&
+      (rs_asked || a.split_tokens(a.max_len()) >= kRsMinSplitTiles * kTileTokens))
     return DecodeKernel::kRs;
+  if (choice != R::kMma && kFp8KernelBuilt && fp8_under_e4m3 && a.q_tokens == 1) return DecodeKernel::kFp8;
   const bool many_rows = a.rows() >= kWideMinRows || (a.rows() >= kWideMinRowsBatched && a.batch >= kWideMinBatch);
   if (choice != R::kMma && kWgmmaBuilt && major == 9 && a.cache_format == CacheFormat::kBf16 && a.q_tokens == 1 &&
       (many_rows || choice == R::kWide))
@@ -345,9 +373,14 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a, const DecodeLaunch
               : launch_wide_attention<ActType::kBF16>(stream, a, grid);
   } else if (kernel == DecodeKernel::kFp8) {
     err = launch_with_shared_memory(stream, fp8_attention_kernel, grid, kThreads, Fp8Layout::kBytes, a);
+  } else if (kernel == DecodeKernel::kRs && a.cache_format == CacheFormat::kFp8) {
+    merged_in_cluster =
+        launch.kernel != KernelRequest::kRsCombine && rs_splits_fit_a_cluster<CacheFormat::kFp8>(device, grid);
+    err = launch_rs_attention<CacheFormat::kFp8>(stream, a, grid, merged_in_cluster);
   } else if (kernel == DecodeKernel::kRs) {
-    merged_in_cluster = launch.kernel != KernelRequest::kRsCombine && rs_splits_fit_a_cluster(device, grid);
-    err = launch_rs_attention(stream, a, grid, merged_in_cluster);
+    merged_in_cluster =
+        launch.kernel != KernelRequest::kRsCombine && rs_splits_fit_a_cluster<CacheFormat::kFp8DsMla>(device, grid);
+    err = launch_rs_attention<CacheFormat::kFp8DsMla>(stream, a, grid, merged_in_cluster);
   } else {
     switch (a.cache_format) {
       case CacheFormat::kBf16:

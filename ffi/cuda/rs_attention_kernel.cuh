@@ -1,4 +1,6 @@
-// rs_attention_kernel: fp8_ds_mla on register-sourced wgmma, sm_90a (decode_attention_cuda.cu, 1d).
+// rs_attention_kernel: the 1-byte caches at S_q = 1 on wgmma with the tokens as M, sm_90a
+// (decode_attention_cuda.cu, 1d): fp8_ds_mla with A from registers, plain fp8 under an E4M3 query
+// with S^T from shared memory.
 #pragma once
 
 #include "decode_attention_common.cuh"
@@ -6,7 +8,7 @@
 namespace jax_kimi_mla {
 namespace {
 
-// ---- rs_attention_kernel (fp8_ds_mla at S_q = 1, sm_90a): the tokens as M, A from registers ----
+// ---- rs_attention_kernel (the 1-byte caches at S_q = 1, sm_90a): the tokens as M ----
 //
 // 256 threads, one CTA per SM, grid and partials as attention_kernel's. The two warpgroups take
 // alternate 64-token tiles of the split from a ring of kRsStages raw stages (tile i in stage
@@ -41,12 +43,26 @@ namespace {
 // them: C7513/C7514), so each group's conversion overlaps the previous group's MMAs.
 // Probe: benchmarks/probes/ds_rs_tile_loop.cu (the loop without paging: 1.40 us a tile from HBM
 // against attention_kernel's 2.38 on the H200). History: docs/DECODE_ATTENTION.md, Sixteenth round.
+//
+// The plain fp8 cache under an E4M3 query (kFormat kFp8) differs in S^T and in how a tile lands:
+// both S^T operands are E4M3 in shared memory, so S^T is one group of 18 wgmma m64n16k32 k-steps
+// with no conversion and no A loads (the loop of the probe's -DJKM_RS_FP8_SS on the H200: 0.835 us a
+// tile from L2, 1.178 from HBM, 97% of the copy ceiling, against 1.303 and 1.488 with A from
+// registers; docs/DECODE_ATTENTION.md, Twenty-fourth round). For that the tile lands
+// by tensor-map boxes (issue_swizzled_tile, fp8_tile_offset: four 128-byte swizzled chunks of 128
+// columns, the rope columns a 64-byte swizzled fifth), warp 0 of the warpgroup issuing from the
+// rows its warps 0-1 looked up, masked tokens' rows zeroed after landing; the query tile holds its
+// E4M3 codes in the same layout (no prescale: the codes meet the codes). One accumulator a chunk
+// (the tensor cores' E4M3 sums are coarser than float32), added in float32; no scales, so one P
+// tile; P.V as fp8_ds_mla's, its A loads at the swizzled places (conflict-free), its tokens in
+// natural order (rs_token).
 constexpr int kRsGroups = 2;
 constexpr int kRsStages = 4;
 constexpr int kRsMinSplitTiles = 4;  // the default from this many tiles a split (choose_kernel)
 constexpr float kRsSlack = 8.0f;  // log2 units: P' values up to 2^8 before the reference moves
 constexpr int kScaleTiles = kLatent / kDsMlaTile;  // 4
 static_assert(kRsGroups * 128 == kThreads && kScaleTiles == 4 && kTileRows == 16);
+constexpr int kFp8QkSteps = kEntry / 32;  // 18 E4M3 k-steps of S^T (plain fp8)
 
 // The query prescale: the latent q meets the codes in f16 MMAs, so each query row is stored times
 // a power of two 2^-k that puts its largest latent value in [2^14, 2^15) (exact for every value
@@ -82,29 +98,42 @@ __device__ __forceinline__ void q_row_max_bits(const DecodeAttention& a, const u
 // The exponent field of a nonnegative float (0 for zero and subnormals, 255 for NaN).
 __device__ __forceinline__ uint32_t exponent_of(float x) { return (__float_as_uint(x) >> 23) & 0xFFu; }
 
+template <CacheFormat kFormat>
 struct RsLayout {
-  static constexpr int kStageBytes = kTileTokens * kDsMlaEntryBytes;            // 41,984
-  static constexpr int kRaw = 0;                                                // [kRsStages][64][656]
-  static constexpr int kQ = kRaw + kRsStages * kStageBytes;                     // 8 x [16][128 B] f16, swizzled
-  static constexpr int kQpe = kQ + kLatent / 64 * kTileRows * 128;              // [16][128 B] bf16, swizzled
-  static constexpr int kP = kQpe + kTileRows * 128;                             // [group][scale tile][16][128 B]
-  static constexpr int kMax = kP + kRsGroups * kScaleTiles * kTileRows * 128;   // float [group][warp][16]
+  static constexpr bool kFp8 = kFormat == CacheFormat::kFp8;
+  static_assert(kFp8 || kFormat == CacheFormat::kFp8DsMla, "a 1-byte cache");
+  // fp8_ds_mla: a raw tile, [64][656]; plain fp8: the boxes' layout (fp8_tile_offset), 36,864.
+  static constexpr int kStageBytes = kFp8 ? BoxedTile<kFormat>::kBytes : kTileTokens * kDsMlaEntryBytes;
+  static constexpr int kPTiles = kFp8 ? 1 : kScaleTiles;                        // P tiles a warpgroup
+  static constexpr int kRaw = 0;                                                // [kRsStages][kStageBytes]
+  // The query: fp8_ds_mla 8 x [16][128 B] f16 and [16][128 B] bf16 k_pe, swizzled; plain fp8 its
+  // E4M3 codes at fp8_tile_offset (16 rows).
+  static constexpr int kQ = kRaw + kRsStages * kStageBytes;
+  static constexpr int kQpe = kQ + (kFp8 ? fp8_tile_offset(0, kLatent, kTileRows) : kLatent / 64 * kTileRows * 128);
+  static constexpr int kP = kQpe + kTileRows * (kFp8 ? 64 : 128);               // [group][P tile][16][128 B]
+  static constexpr int kMax = kP + kRsGroups * kPTiles * kTileRows * 128;       // float [group][warp][16]
   static constexpr int kRef = kMax + kRsGroups * 4 * kTileRows * 4;             // float [group][16]: the end's max
-  static constexpr int kMasks = kRef + kRsGroups * kTileRows * 4;               // uint32 [stage][2]: live tokens
+  // fp8_ds_mla: uint32 [stage][2], live tokens; plain fp8: uint64 [stage], masked tokens (zero_rows).
+  static constexpr int kMasks = kRef + kRsGroups * kTileRows * 4;
   static constexpr int kBarriers = kMasks + kRsStages * 8;                      // uint64 full[stages], empty[stages]
   static constexpr int kStats = kBarriers + 2 * kRsStages * 8;                  // QPrescale
   static constexpr int kLse = kStats + (int(sizeof(QPrescale)) + 15) / 16 * 16; // float [16]: a cluster's rows
-  static constexpr int kBytes = kLse + kTileRows * 4;
+  static constexpr int kRows = kLse + kTileRows * 4;                            // int64 [stage][64] (plain fp8)
+  static constexpr int kBytes = kRows + (kFp8 ? kRsStages * kTileTokens * 8 : 0);
   // At the end, over the stages: the staged output rows, and warpgroup 1's out; over the P tiles,
   // a cluster merge's weights.
   static constexpr int kExchange = kStageBytes;
-  static_assert(kStageBytes % 1024 == 0 && kQ % 1024 == 0 && kQpe % 1024 == 0 && kP % 1024 == 0);
+  static_assert(kStageBytes % 1024 == 0 && kQ % 1024 == 0 && kQpe % 512 == 0 && kP % 1024 == 0 && kRows % 16 == 0);
   static_assert(kTileRows * kStagingStride * 4 <= kExchange && kExchange + 64 * 128 * 4 <= kQ);
   static_assert(kBytes <= 232448, "more than sm_90's 227 KB of shared memory per block");
 };
 
-// The token of S^T's M row 16w + g + 8h: rows g and g + 1 of a quarter-warp 4 tokens apart.
-__host__ __device__ constexpr int rs_token(int w, int g, int h) { return 16 * w + 8 * h + (g >> 1) + 4 * (g & 1); }
+// The token of S^T's M row 16w + g + 8h: fp8_ds_mla's A fragments take rows g and g + 1 of a
+// quarter-warp 4 tokens apart (conflict-free loads); plain fp8's M rows are the tile's rows.
+template <CacheFormat kFormat>
+__host__ __device__ constexpr int rs_token(int w, int g, int h) {
+  return 16 * w + 8 * h + (kFormat == CacheFormat::kFp8 ? g : (g >> 1) + 4 * (g & 1));
+}
 // The latent column of P.V's M row 16w + g + 8h of block mb: blocks 2t, 2t + 1 in scale tile t,
 // a thread's 4 columns of a scale tile one 32-bit word.
 __host__ __device__ constexpr int rs_column(int mb, int w, int g, int h) {
@@ -150,6 +179,18 @@ __device__ __forceinline__ void rs_store_q(const DecodeAttention& a, const uint4
                                     : words[j];
       }
     }
+  }
+}
+
+// Plain fp8: the query tile from fetch_q's chunks, its E4M3 codes as they are (8 a chunk, inside one
+// 16-byte piece of fp8_tile_offset's layout).
+__device__ __forceinline__ void rs_store_q_codes(const uint4 (&fetched)[kQChunksPerThread], uint8_t* q_tile) {
+  constexpr int kChunksPerRow = kEntry / 8;
+#pragma unroll
+  for (int i = 0; i < kQChunksPerThread; ++i) {
+    const int c = int(threadIdx.x) + i * kThreads, r = c / kChunksPerRow, chunk = c - r * kChunksPerRow;
+    if (c >= kQChunks) break;
+    *reinterpret_cast<uint2*>(q_tile + fp8_tile_offset(r, 8 * chunk, kTileRows)) = make_uint2(fetched[i].x, fetched[i].y);
   }
 }
 
@@ -212,9 +253,12 @@ __device__ void merge_cluster_splits(const DecodeAttention& a, int64_t b, int64_
   cluster_sync();  // the other CTAs are done reading this one's rows
 }
 
-__device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, const Scales& scales, uint8_t* smem) {
-  using L = RsLayout;
-  constexpr int kEntryBytes = kDsMlaEntryBytes;
+template <CacheFormat kFormat>
+__device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, const Scales& scales,
+                                          const TileMaps& maps, uint8_t* smem) {
+  using L = RsLayout<kFormat>;
+  constexpr bool kFp8 = L::kFp8;
+  constexpr int kEntryBytes = kDsMlaEntryBytes;  // fp8_ds_mla's raw rows
   const int64_t len = a.context_len(b);
   const Work w = split_work(a, b, int64_t(blockIdx.y) * kTileRows, blockIdx.x, len, len);
   // A split past the length: the combine skips it; in a cluster it stages empty rows for the merge.
@@ -225,49 +269,62 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
   uint8_t* q_tile = smem + L::kQ;
   uint8_t* qpe_tile = smem + L::kQpe;
   uint32_t* masks = reinterpret_cast<uint32_t*>(smem + L::kMasks);
+  uint64_t* zero_rows = reinterpret_cast<uint64_t*>(smem + L::kMasks);  // plain fp8
+  int64_t* tile_rows = reinterpret_cast<int64_t*>(smem + L::kRows);     // plain fp8: [stage][64]
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
   uint64_t* empty = full + kRsStages;
   QPrescale& stats = *reinterpret_cast<QPrescale*>(smem + L::kStats);
   const auto stage = [&](int s) { return raw + s * L::kStageBytes; };
   const int tid = int(threadIdx.x), warp = uniform_warp_index(), lane = tid % 32;
   const int group = warp / 4, wq = warp % 4, g = lane / 4, c = lane % 4, gtid = tid % 128;
-  // Warps 0-1 of a warpgroup (thread `token`) issue a tile: its live tokens' mask, then the copies.
+  // fp8_ds_mla: warps 0-1 of a warpgroup (thread `token`) issue a tile, its live tokens' mask and
+  // then the copies of its runs of rows.
   const auto issue = [&](int s, int64_t row, int token) {
     const uint32_t live = __ballot_sync(0xFFFFFFFFu, row >= 0);
     if (lane == 0) masks[2 * s + token / 32] = live;
     issue_raw_tile<CacheFormat::kFp8DsMla>(a, row, stage(s), full + s, token);
   };
+  // Plain fp8: one warp issues a tile's boxes from the rows in tile_rows[s] (one arrival a lane).
+  const auto issue_boxes = [&](int s) {
+    issue_swizzled_tile<kFormat>(a, maps, tile_rows + s * kTileTokens, stage(s), full + s, zero_rows + s);
+  };
 
   __syncthreads();  // this CTA's previous sequence is done with the shared memory
   if (tid == 0) {
-    for (int s = 0; s < kRsStages; ++s) mbarrier_init(full + s, kTileTokens), mbarrier_init(empty + s, 128);
+    for (int s = 0; s < kRsStages; ++s) mbarrier_init(full + s, kFp8 ? 32 : kTileTokens), mbarrier_init(empty + s, 128);
     mbarrier_init_fence();
   }
   if (tid < kTileRows) stats.q_max_bits[tid] = 0;
   uint4 q_fetched[kQChunksPerThread];
   fetch_q<ActType::kF16>(a, b, w.row0, q_fetched);
   const int64_t first_row = tile_token_row(a, w, tid / kTileTokens, tid % kTileTokens);
-  __syncthreads();  // the mbarriers and the zeroed maxima are ready
+  if constexpr (kFp8) tile_rows[tid] = first_row;  // stage tid / 64 (kRsStages x 64 = the CTA's threads)
+  __syncthreads();  // the mbarriers, the zeroed maxima and the first tiles' rows are ready
   JKM_PHASE_AT(1);
-  if (tid / kTileTokens < w.n_tiles) issue(tid / kTileTokens, first_row, tid % kTileTokens);
-  q_row_max_bits(a, q_fetched, stats);
-  __syncthreads();
-  if (tid < kTileRows) {  // the prescale 2^-k puts the row's largest latent value in [2^14, 2^15)
-    const uint32_t e = exponent_of(__int_as_float(stats.q_max_bits[tid]));
-    stats.q_unscale[tid] = e == 0 || e == 0xFF ? 1.0f : ldexpf(1.0f, max(int(e) - 127 - 14, -126));
+  if constexpr (kFp8) {
+    if (warp < kRsStages && warp < w.n_tiles) issue_boxes(warp);
+    rs_store_q_codes(q_fetched, q_tile);
+  } else {
+    if (tid / kTileTokens < w.n_tiles) issue(tid / kTileTokens, first_row, tid % kTileTokens);
+    q_row_max_bits(a, q_fetched, stats);
+    __syncthreads();
+    if (tid < kTileRows) {  // the prescale 2^-k puts the row's largest latent value in [2^14, 2^15)
+      const uint32_t e = exponent_of(__int_as_float(stats.q_max_bits[tid]));
+      stats.q_unscale[tid] = e == 0 || e == 0xFF ? 1.0f : ldexpf(1.0f, max(int(e) - 127 - 14, -126));
+    }
+    __syncthreads();
+    rs_store_q(a, q_fetched, stats, q_tile, qpe_tile);
   }
-  __syncthreads();
-  rs_store_q(a, q_fetched, stats, q_tile, qpe_tile);
   fence_proxy_async();  // the query tile is read by wgmma
   __syncthreads();
 
-  uint8_t* p_mine = smem + L::kP + group * kScaleTiles * kTileRows * 128;
+  uint8_t* p_mine = smem + L::kP + group * L::kPTiles * kTileRows * 128;
   float* max_mine = reinterpret_cast<float*>(smem + L::kMax) + group * 4 * kTileRows;
   const int bar_id = 1 + group;
-  const int tok0 = rs_token(wq, g, 0), tok1 = rs_token(wq, g, 1);
-  float unscale[4];  // the query rows' prescale, undone on the logits
+  const int tok0 = rs_token<kFormat>(wq, g, 0), tok1 = rs_token<kFormat>(wq, g, 1);
+  float unscale[4];  // fp8_ds_mla: the query rows' prescale, undone on the logits
 #pragma unroll
-  for (int k = 0; k < 4; ++k) unscale[k] = stats.q_unscale[rs_row(k, c)] * scales.logit;
+  for (int k = 0; k < 4; ++k) unscale[k] = kFp8 ? scales.logit : stats.q_unscale[rs_row(k, c)] * scales.logit;
   RsState st;
 #pragma unroll
   for (int mb = 0; mb < 8; ++mb)
@@ -282,46 +339,70 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
     const uint8_t* tile = stage(s);
     const bool issues = gtid < kTileTokens && i + kRsStages < w.n_tiles;
     const int64_t next_row = issues ? tile_token_row(a, w, i + kRsStages, gtid) : -1;
+    // Plain fp8: warp 0 issues from these rows after the stage is read; the vote's barrier below
+    // orders warp 1's writes before that (warp 0 read the stage's previous rows two tiles back).
+    if (kFp8 && issues) tile_rows[s * kTileTokens + gtid] = next_row;
     mbarrier_wait(full + s, uint32_t(i / kRsStages) & 1);
     JKM_TILE_AT(i);
-    const uint8_t* row0 = tile + tok0 * kEntryBytes;
-    const uint8_t* row1 = tile + tok1 * kEntryBytes;
-    const uint32_t live = masks[2 * s + wq / 2];
-    const bool live0 = (live >> (tok0 % 32)) & 1, live1 = (live >> (tok1 % 32)) & 1;
-
-    // S^T, latent: group G = columns 64G .. 64G + 63, k-steps 4G .. 4G + 3, scale tile G / 2.
-    float acc[kScaleTiles][8], acc_pe[8];
-    uint32_t frag[2][16];
-    uint4 next0 = *reinterpret_cast<const uint4*>(row0 + 16 * c);
-    uint4 next1 = *reinterpret_cast<const uint4*>(row1 + 16 * c);
-#pragma unroll
-    for (int G = 0; G < kLatent / 64; ++G) {
-      const uint32_t w0[4] = {next0.x, next0.y, next0.z, next0.w}, w1[4] = {next1.x, next1.y, next1.z, next1.w};
-      if (G + 1 < kLatent / 64) {
-        next0 = *reinterpret_cast<const uint4*>(row0 + 64 * (G + 1) + 16 * c);
-        next1 = *reinterpret_cast<const uint4*>(row1 + 64 * (G + 1) + 16 * c);
+    bool live0, live1;
+    float acc[kFp8 ? kLatent / 128 + 1 : kScaleTiles][8], acc_pe[8];
+    if constexpr (kFp8) {
+      const uint64_t masked = zero_rows[s];
+      live0 = !((masked >> tok0) & 1), live1 = !((masked >> tok1) & 1);
+      if (masked != 0) {  // rare (uniform over the warpgroup): zeroed before S^T and P.V read them
+        zero_masked_rows<kFormat>(masked, const_cast<uint8_t*>(tile), gtid, 128);
+        named_barrier_sync(bar_id, 128);
       }
-      uint32_t(&f)[16] = frag[G & 1];
+      // S^T: k-step `step` takes the 32 codes at 32 (step % 4) of chunk step / 4, one accumulator a
+      // chunk (the tensor cores' E4M3 sums are coarser than float32: added in float32 below).
+      wgmma_fence_after(acc);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        f[4 * j + 0] = e4m3x2_half_to_f16x2<0>(w0[j]);
-        f[4 * j + 1] = e4m3x2_half_to_f16x2<0>(w1[j]);
-        f[4 * j + 2] = e4m3x2_half_to_f16x2<1>(w0[j]);
-        f[4 * j + 3] = e4m3x2_half_to_f16x2<1>(w1[j]);
-      }
-      if (G >= 1) wgmma_wait<0>();  // group G - 1 done (frag[G & 1] was group G - 2's)
-      if (G % 2 == 0) wgmma_fence_after(acc[G / 2]);
-      else wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int step = 4 * G + j;
-        wgmma_m64n16k16_rs<true>(acc[G / 2], f[4 * j], f[4 * j + 1], f[4 * j + 2], f[4 * j + 3],
-                                 swizzled_descriptor(q_tile + step / 4 * kTileRows * 128 + 32 * (step % 4)),
-                                 (G & 1) || j);
+      for (int step = 0; step < kFp8QkSteps; ++step) {
+        const int chunk = step / 4, at = 32 * (step % 4);
+        const uint8_t* k_at = tile + fp8_tile_offset(0, 128 * chunk, kTileTokens) + at;
+        const uint8_t* q_at = q_tile + fp8_tile_offset(0, 128 * chunk, kTileRows) + at;
+        const bool rope = 128 * chunk >= kLatent;
+        wgmma_m64n16k32_e4m3_ss(acc[chunk], rope ? swizzled_descriptor_64(k_at) : swizzled_descriptor(k_at),
+                                rope ? swizzled_descriptor_64(q_at) : swizzled_descriptor(q_at), step % 4 != 0);
       }
       wgmma_commit();
-    }
-    {  // k_pe: 16-byte piece 4h + c of a token's k_pe holds the bf16 pairs of k-steps 2h, 2h + 1
+    } else {
+      const uint8_t* row0 = tile + tok0 * kEntryBytes;
+      const uint8_t* row1 = tile + tok1 * kEntryBytes;
+      const uint32_t live = masks[2 * s + wq / 2];
+      live0 = (live >> (tok0 % 32)) & 1, live1 = (live >> (tok1 % 32)) & 1;
+      // S^T, latent: group G = columns 64G .. 64G + 63, k-steps 4G .. 4G + 3, scale tile G / 2.
+      uint32_t frag[2][16];
+      uint4 next0 = *reinterpret_cast<const uint4*>(row0 + 16 * c);
+      uint4 next1 = *reinterpret_cast<const uint4*>(row1 + 16 * c);
+#pragma unroll
+      for (int G = 0; G < kLatent / 64; ++G) {
+        const uint32_t w0[4] = {next0.x, next0.y, next0.z, next0.w}, w1[4] = {next1.x, next1.y, next1.z, next1.w};
+        if (G + 1 < kLatent / 64) {
+          next0 = *reinterpret_cast<const uint4*>(row0 + 64 * (G + 1) + 16 * c);
+          next1 = *reinterpret_cast<const uint4*>(row1 + 64 * (G + 1) + 16 * c);
+        }
+        uint32_t(&f)[16] = frag[G & 1];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          f[4 * j + 0] = e4m3x2_half_to_f16x2<0>(w0[j]);
+          f[4 * j + 1] = e4m3x2_half_to_f16x2<0>(w1[j]);
+          f[4 * j + 2] = e4m3x2_half_to_f16x2<1>(w0[j]);
+          f[4 * j + 3] = e4m3x2_half_to_f16x2<1>(w1[j]);
+        }
+        if (G >= 1) wgmma_wait<0>();  // group G - 1 done (frag[G & 1] was group G - 2's)
+        if (G % 2 == 0) wgmma_fence_after(acc[G / 2]);
+        else wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int step = 4 * G + j;
+          wgmma_m64n16k16_rs<true>(acc[G / 2], f[4 * j], f[4 * j + 1], f[4 * j + 2], f[4 * j + 3],
+                                   swizzled_descriptor(q_tile + step / 4 * kTileRows * 128 + 32 * (step % 4)),
+                                   (G & 1) || j);
+        }
+        wgmma_commit();
+      }
+      // k_pe: 16-byte piece 4h + c of a token's k_pe holds the bf16 pairs of k-steps 2h, 2h + 1
       uint4 pe[2][2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -338,30 +419,52 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
       }
       wgmma_commit();
     }
-    const float4 sc0 = *reinterpret_cast<const float4*>(row0 + kLatent);
-    const float4 sc1 = *reinterpret_cast<const float4*>(row1 + kLatent);
+    // fp8_ds_mla: each token's tile scales; plain fp8: none (its one scale is in scales).
+    float tile_scale[2][kScaleTiles];
+    if constexpr (kFp8) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int t = 0; t < kScaleTiles; ++t) tile_scale[h][t] = 1.0f;
+    } else {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float4 sc = *reinterpret_cast<const float4*>(tile + (h ? tok1 : tok0) * kEntryBytes + kLatent);
+        tile_scale[h][0] = sc.x, tile_scale[h][1] = sc.y, tile_scale[h][2] = sc.z, tile_scale[h][3] = sc.w;
+      }
+    }
     wgmma_wait<0>();
 
     // Logits (log2 units; -inf for a masked token or one past the length) and the vote.
-    const float tile_scale[2][kScaleTiles] = {{sc0.x, sc0.y, sc0.z, sc0.w}, {sc1.x, sc1.y, sc1.z, sc1.w}};
-    // The reference covers logit + log2(the token's largest scale), so that p s_t <= 2^kRsSlack
-    // fits f16 whatever the scales (floored: a zero scale must not hide the token's k_pe logit).
-    const float top_scale[2] = {__log2f(fmaxf(fmaxf(fmaxf(sc0.x, sc0.y), fmaxf(sc0.z, sc0.w)), 1e-30f)),
-                                __log2f(fmaxf(fmaxf(fmaxf(sc1.x, sc1.y), fmaxf(sc1.z, sc1.w)), 1e-30f))};
+    // fp8_ds_mla: the reference covers logit + log2(the token's largest scale), so that p s_t <=
+    // 2^kRsSlack fits f16 whatever the scales (floored: a zero scale must not hide the token's k_pe
+    // logit).
+    float top_scale[2] = {0.0f, 0.0f};
+    if constexpr (!kFp8)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        top_scale[h] = __log2f(fmaxf(fmaxf(fmaxf(tile_scale[h][0], tile_scale[h][1]),
+                                           fmaxf(tile_scale[h][2], tile_scale[h][3])), 1e-30f));
     float logit[8], reach[8];  // reach: logit + top_scale, what the reference must cover
     bool over = false;
 #pragma unroll
     for (int x = 0; x < 8; ++x) {
       const int h = (x >> 1) & 1, k = 2 * (x >> 2) + (x & 1);
       float v = 0.0f;
+      if constexpr (kFp8) {
 #pragma unroll
-      for (int t = 0; t < kScaleTiles; ++t) v = fmaf(tile_scale[h][t], acc[t][x], v);
-      v = fmaf(v, unscale[k], acc_pe[x] * scales.logit);
+        for (int chunk = 0; chunk < kLatent / 128 + 1; ++chunk) v += acc[chunk][x];
+        v *= scales.logit;
+      } else {
+#pragma unroll
+        for (int t = 0; t < kScaleTiles; ++t) v = fmaf(tile_scale[h][t], acc[t][x], v);
+        v = fmaf(v, unscale[k], acc_pe[x] * scales.logit);
+      }
       logit[x] = (h ? live1 : live0) ? v : -INFINITY;
       reach[x] = logit[x] + top_scale[h];
       over |= reach[x] > st.ref[k] + kRsSlack;
     }
-    // P'_t^T: (query row n, token m) of scale tile t's P tile at swizzled_piece(n, m / 8) + 2 (m % 8).
+    // P'_t^T: (query row n, token m) of P tile t at swizzled_piece(n, m / 8) + 2 (m % 8).
     float p[8];
     const auto write_p = [&]() {
 #pragma unroll
@@ -370,7 +473,7 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
         // (a NaN logit while the reference is still -inf must stay NaN: it reaches out and lse)
         p[x] = st.ref[k] != -INFINITY ? exp2f(logit[x] - st.ref[k]) : logit[x] != logit[x] ? logit[x] : 0.0f;
 #pragma unroll
-        for (int t = 0; t < kScaleTiles; ++t)
+        for (int t = 0; t < L::kPTiles; ++t)
           *reinterpret_cast<__half*>(p_mine + t * kTileRows * 128 + swizzled_piece(rs_row(k, c), m / 8, kTileRows) +
                                      2 * (m % 8)) = __float2half_rn(p[x] * tile_scale[h][t]);
       }
@@ -409,18 +512,24 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
     for (int x = 0; x < 8; ++x) st.sum[2 * (x >> 2) + (x & 1)] += p[x];
 
     // O^T += V^T P'^T: k-step ks takes tokens 16 ks + 2c + e + 8f; a thread's column word of
-    // scale tile t is at 128t + 32w + 4g (byte 2v + h: block 2t + v, row half h).
+    // column tile t is at 128t + 32w + 4g (byte 2v + h: block 2t + v, row half h). Plain fp8: a
+    // token's row % 8 is 2c + e, so its swizzled place is v_base[e] plus immediates.
+    const uint8_t* v_base[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) v_base[e] = tile + (kFp8 ? fp8_tile_offset(2 * c + e, 32 * wq + 4 * g, kTileTokens)
+                                                        : (2 * c + e) * kEntryBytes + 32 * wq + 4 * g);
     uint32_t vfrag[2][8][4];
 #pragma unroll
     for (int ks = 0; ks < kTileTokens / 16; ++ks) {
-      uint32_t v[kScaleTiles][2][2];  // [scale tile][e][f]
+      uint32_t v[kScaleTiles][2][2];  // [column tile][e][f]
 #pragma unroll
       for (int e = 0; e < 2; ++e)
 #pragma unroll
         for (int f = 0; f < 2; ++f) {
-          const uint8_t* row = tile + (16 * ks + 2 * c + e + 8 * f) * kEntryBytes + 32 * wq + 4 * g;
+          const uint8_t* row = v_base[e] + (16 * ks + 8 * f) * (kFp8 ? 128 : kEntryBytes);
 #pragma unroll
-          for (int t = 0; t < kScaleTiles; ++t) v[t][e][f] = *reinterpret_cast<const uint32_t*>(row + 128 * t);
+          for (int t = 0; t < kScaleTiles; ++t)
+            v[t][e][f] = *reinterpret_cast<const uint32_t*>(row + t * (kFp8 ? kChunkBytes : 128));
         }
       uint32_t(&f)[8][4] = vfrag[ks & 1];
 #pragma unroll
@@ -440,11 +549,16 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
 #pragma unroll
       for (int mb = 0; mb < 8; ++mb)
         wgmma_m64n16k16_rs<true>(st.o[mb], f[mb][0], f[mb][1], f[mb][2], f[mb][3],
-                                 swizzled_descriptor(p_mine + (mb / 2) * kTileRows * 128 + 32 * ks), 1);
+                                 swizzled_descriptor(p_mine + (kFp8 ? 0 : mb / 2) * kTileRows * 128 + 32 * ks), 1);
       wgmma_commit();
     }
     mbarrier_arrive(empty + s);  // the stage is read (into registers): tile i + kRsStages may land there
-    if (issues) {
+    if constexpr (kFp8) {
+      if (wq == 0 && i + kRsStages < w.n_tiles) {
+        mbarrier_wait(empty + s, uint32_t(i / kRsStages) & 1);
+        issue_boxes(s);
+      }
+    } else if (issues) {
       mbarrier_wait(empty + s, uint32_t(i / kRsStages) & 1);
       issue(s, next_row, gtid);
     }
@@ -527,11 +641,15 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
 
 // One sequence a CTA (grid z = B <= 65535: a loop over sequences, as the other kernels have, makes
 // ptxas hoist the loop's invariants and spill).
-__global__ void __launch_bounds__(kThreads, 1) rs_attention_kernel(const DecodeAttention a) {
+// The tensor maps are plain fp8's (zero for fp8_ds_mla).
+template <CacheFormat kFormat>
+__global__ void __launch_bounds__(kThreads, 1)
+    rs_attention_kernel(const DecodeAttention a, const __grid_constant__ TileMaps maps) {
   extern __shared__ __align__(1024) uint8_t smem[];
   JKM_PHASE_AT(0);
   let_dependent_launch_start();
-  attend_rs(a, blockIdx.z, load_scales<CacheFormat::kFp8DsMla>(a), smem);
+  if constexpr (kFormat == CacheFormat::kFp8) prefetch_tile_maps<kFormat>(maps);
+  attend_rs<kFormat>(a, blockIdx.z, load_scales<kFormat>(a), maps, smem);
   JKM_PHASE_AT(6);
 }
 

@@ -1,6 +1,6 @@
-// sm_90a warpgroup MMA (wgmma): the matrix descriptors of 128-byte swizzled shared-memory tiles,
-// and the m64n64k16 (A from shared memory or registers) and m64n16k16 (A from registers) MMAs
-// with float32 accumulation. wgmma exists
+// sm_90a warpgroup MMA (wgmma): the matrix descriptors of 128- and 64-byte swizzled shared-memory
+// tiles, and the m64n64k16 (A from shared memory or registers), m64n16k16 (A from registers) and
+// m64n16k32 E4M3 (both from shared memory) MMAs with float32 accumulation. wgmma exists
 // on sm_90a only (not on sm_100, whose tensor cores take other instructions): for every other
 // target these compile to traps, and the host launches the kernels that use them on sm_90 GPUs
 // only.
@@ -32,6 +32,14 @@ __device__ __forceinline__ uint64_t swizzled_descriptor(const void* smem) {
   const uint32_t addr = smem_addr(smem);
   return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
          (uint64_t(1) << 62);
+}
+
+// The descriptor of a 64-byte swizzled operand (rows of 64 bytes, 512-byte aligned groups of 8):
+// stride byte offset 512, layout type 2. A k-step of 32 one-byte elements is 32 bytes further.
+__device__ __forceinline__ uint64_t swizzled_descriptor_64(const void* smem) {
+  const uint32_t addr = smem_addr(smem);
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(512 >> 4) << 32) |
+         (uint64_t(2) << 62);
 }
 
 // The 32 float32 accumulators a thread of a m64n64 wgmma: the m16n8 accumulators of n-blocks
@@ -89,6 +97,17 @@ __device__ __forceinline__ void wgmma_m64n16k16_rs(float (&d)[8], uint32_t a0, u
   if constexpr (kF16) JKM_WGMMA("f16");
   else JKM_WGMMA("bf16");
 #undef JKM_WGMMA
+}
+
+// D[64 x 16] (+)= A[64 x 32] B[32 x 16], E4M3 operands from shared memory, both K-major. The
+// tensor cores' E4M3 sums are coarser than float32 (over 576 columns within 6e-4 of the largest
+// |S|: benchmarks/probes/wgmma_layouts.cu), so callers sum at most 128 columns in one accumulator
+// and add those in float32.
+__device__ __forceinline__ void wgmma_m64n16k32_e4m3_ss(float (&d)[8], uint64_t a, uint64_t b, int accumulate) {
+  SM90A_ASM("{\n .reg .pred p;\n setp.ne.b32 p, %10, 0;\n"
+            " wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+            : "l"(a), "l"(b), "r"(accumulate));
 }
 
 __device__ __forceinline__ void wgmma_fence() { SM90A_ASM("wgmma.fence.sync.aligned;\n" ::: "memory"); }
