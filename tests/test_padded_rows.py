@@ -151,18 +151,22 @@ def test_decode_attention_reads_padded_rows(backend, fmt, q_dtype, width):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("width", (672, 768))
-def test_rs_attention_kernel_reads_padded_rows(width):
-    """fp8_ds_mla at S_q = 1 with splits of several tiles (rs_attention_kernel on sm_90, which
-    copies a padded cache row by row): the same bits as over the unpadded cache."""
-    args, kw = attn.make_case("fp8_ds_mla", "bfloat16", lens=(700, 1, 2049), heads=16, block_size=64, seed=9)
+@pytest.mark.parametrize(
+    "fmt,q_dtype,width",
+    [("fp8_ds_mla", "bfloat16", 672), ("fp8_ds_mla", "bfloat16", 768), ("fp8", "float8_e4m3fn", 640), ("fp8", "float8_e4m3fn", 768)],
+)
+def test_rs_attention_kernel_reads_padded_rows(fmt, q_dtype, width):
+    """The 1-byte formats at S_q = 1 with splits of several tiles (rs_attention_kernel on sm_90,
+    which copies a padded fp8_ds_mla row by row and lands plain fp8 by tensor-map boxes over the
+    row stride): the same bits as over the unpadded cache."""
+    args, kw = attn.make_case(fmt, q_dtype, lens=(700, 1, 2049), heads=16, block_size=64, seed=9)
     kw = dict(kw, num_splits=2)
     wide = dict(args, kv_cache=_pad(args["kv_cache"], width, seed=10))
     narrow_out = attn.run(jax_kimi_mla.mla_decode_attention, args, kw, "cuda")
     wide_out = attn.poisoned_run(wide, kw, "cuda")
     for g, w, what in zip(wide_out, narrow_out, ("out", "lse")):
         np.testing.assert_array_equal(g, w, err_msg=f"{what}: padded vs unpadded cache")
-    attn.assert_close("fp8_ds_mla", "bfloat16", wide_out, attn.run(reference.mla_decode_attention, wide, kw, "cpu"))
+    attn.assert_close(fmt, q_dtype, wide_out, attn.run(reference.mla_decode_attention, wide, kw, "cpu"))
 
 
 def _gather_kwargs(kw):
