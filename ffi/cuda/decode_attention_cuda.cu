@@ -238,20 +238,6 @@ cudaLaunchConfig_t rs_launch_config(dim3 grid, cudaStream_t stream, bool cluster
   return config;
 }
 
-// rs_attention_kernel, its splits as one cluster (merged there, no combine_kernel) or not.
-template <CacheFormat kFormat>
-ffi::Error launch_rs_attention(cudaStream_t stream, const DecodeAttention& a, dim3 grid, bool cluster) {
-  TileMaps maps{};
-  if constexpr (kFormat == CacheFormat::kFp8)
-    if (ffi::Error map_err = make_tile_maps(a, maps); map_err.failure()) return map_err;
-  cudaLaunchAttribute attribute;
-  cudaError_t err = cudaSuccess;
-  const cudaLaunchConfig_t config = rs_launch_config<kFormat>(grid, stream, cluster, attribute, err);
-  if (err != cudaSuccess) return cuda_error("allowing rs_attention_kernel's shared memory", err);
-  err = cudaLaunchKernelEx(&config, rs_attention_kernel<kFormat>, a, maps);
-  return err == cudaSuccess ? ffi::Error::Success() : cuda_error("launching rs_attention_kernel", err);
-}
-
 // Whether a call's splits (2..kMaxClusterSplits) may be clusters of rs_attention_kernel: every
 // cluster of the grid resident at once (one CTA per SM, a cluster inside one GPC), as the split
 // count's wave rule assumes. The most resident clusters are asked once per device and size.
@@ -275,6 +261,23 @@ bool rs_splits_fit_a_cluster(int device, dim3 grid) {
     resident[device][splits].store(known, std::memory_order_relaxed);
   }
   return int64_t(grid.y) * grid.z <= known - 1;
+}
+
+// rs_attention_kernel, its splits as one cluster (merged there, no combine_kernel) where they fit
+// one and the call did not ask for "rs-combine"; merged_in_cluster says which.
+template <CacheFormat kFormat>
+ffi::Error launch_rs_attention(cudaStream_t stream, const DecodeAttention& a, dim3 grid, const DecodeLaunch& launch,
+                               int device, bool& merged_in_cluster) {
+  merged_in_cluster = launch.kernel != KernelRequest::kRsCombine && rs_splits_fit_a_cluster<kFormat>(device, grid);
+  TileMaps maps{};
+  if constexpr (kFormat == CacheFormat::kFp8)
+    if (ffi::Error map_err = make_tile_maps(a, maps); map_err.failure()) return map_err;
+  cudaLaunchAttribute attribute;
+  cudaError_t err = cudaSuccess;
+  const cudaLaunchConfig_t config = rs_launch_config<kFormat>(grid, stream, merged_in_cluster, attribute, err);
+  if (err != cudaSuccess) return cuda_error("allowing rs_attention_kernel's shared memory", err);
+  err = cudaLaunchKernelEx(&config, rs_attention_kernel<kFormat>, a, maps);
+  return err == cudaSuccess ? ffi::Error::Success() : cuda_error("launching rs_attention_kernel", err);
 }
 
 // The kernel a call takes. The call's `kernel` attribute (DecodeLaunch; for comparisons and tests)
@@ -373,14 +376,10 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a, const DecodeLaunch
               : launch_wide_attention<ActType::kBF16>(stream, a, grid);
   } else if (kernel == DecodeKernel::kFp8) {
     err = launch_with_shared_memory(stream, fp8_attention_kernel, grid, kThreads, Fp8Layout::kBytes, a);
-  } else if (kernel == DecodeKernel::kRs && a.cache_format == CacheFormat::kFp8) {
-    merged_in_cluster =
-        launch.kernel != KernelRequest::kRsCombine && rs_splits_fit_a_cluster<CacheFormat::kFp8>(device, grid);
-    err = launch_rs_attention<CacheFormat::kFp8>(stream, a, grid, merged_in_cluster);
   } else if (kernel == DecodeKernel::kRs) {
-    merged_in_cluster =
-        launch.kernel != KernelRequest::kRsCombine && rs_splits_fit_a_cluster<CacheFormat::kFp8DsMla>(device, grid);
-    err = launch_rs_attention<CacheFormat::kFp8DsMla>(stream, a, grid, merged_in_cluster);
+    err = a.cache_format == CacheFormat::kFp8
+              ? launch_rs_attention<CacheFormat::kFp8>(stream, a, grid, launch, device, merged_in_cluster)
+              : launch_rs_attention<CacheFormat::kFp8DsMla>(stream, a, grid, launch, device, merged_in_cluster);
   } else {
     switch (a.cache_format) {
       case CacheFormat::kBf16:

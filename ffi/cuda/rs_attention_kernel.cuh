@@ -62,6 +62,7 @@ constexpr int kRsMinSplitTiles = 4;  // the default from this many tiles a split
 constexpr float kRsSlack = 8.0f;  // log2 units: P' values up to 2^8 before the reference moves
 constexpr int kScaleTiles = kLatent / kDsMlaTile;  // 4
 static_assert(kRsGroups * 128 == kThreads && kScaleTiles == 4 && kTileRows == 16);
+static_assert(kRsStages * kTileTokens == kThreads, "the prologue gives each first tile's token a thread");
 constexpr int kFp8QkSteps = kEntry / 32;  // 18 E4M3 k-steps of S^T (plain fp8)
 
 // The query prescale: the latent q meets the codes in f16 MMAs, so each query row is stored times
@@ -322,7 +323,7 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
   float* max_mine = reinterpret_cast<float*>(smem + L::kMax) + group * 4 * kTileRows;
   const int bar_id = 1 + group;
   const int tok0 = rs_token<kFormat>(wq, g, 0), tok1 = rs_token<kFormat>(wq, g, 1);
-  float unscale[4];  // fp8_ds_mla: the query rows' prescale, undone on the logits
+  float unscale[4];  // each query row's logit scale (fp8_ds_mla: its prescale undone too)
 #pragma unroll
   for (int k = 0; k < 4; ++k) unscale[k] = kFp8 ? scales.logit : stats.q_unscale[rs_row(k, c)] * scales.logit;
   RsState st;
@@ -454,7 +455,7 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
       if constexpr (kFp8) {
 #pragma unroll
         for (int chunk = 0; chunk < kLatent / 128 + 1; ++chunk) v += acc[chunk][x];
-        v *= scales.logit;
+        v *= unscale[k];
       } else {
 #pragma unroll
         for (int t = 0; t < kScaleTiles; ++t) v = fmaf(tile_scale[h][t], acc[t][x], v);
