@@ -13,7 +13,8 @@
 //
 // Cases: the arguments, each format:B:context:H:splits (format bf16, fp8 or ds), or four default
 // ones. PROBE_KERNELS=default,rs-combine,... (comma-separated; "default" unsets the choice) times
-// other kernel choices than mma, default and rs.
+// other kernel choices than mma, default and rs; PROBE_L2_BLOCKS=n points every table at the
+// first n blocks.
 //
 //   INC="-I ffi/include -I $(python3 -c 'import jax.ffi; print(jax.ffi.include_dir())')"
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DJKM_SM90A_BUILT $INC -o /tmp/decode_attention \
@@ -163,7 +164,11 @@ int run_case(const Case& k, std::mt19937& rng) {
   const bool fp8 = k.format == CacheFormat::kFp8;
   const std::vector<uint8_t> cache = make_cache(k.format, rows, rng);
   std::vector<int32_t> tables(size_t(k.batch) * max_blocks), lens(k.batch, k.context);
-  for (size_t i = 0; i < tables.size(); ++i) tables[i] = int32_t(i);
+  // PROBE_L2_BLOCKS=n: the tables name only blocks 0 .. n - 1 (a cache that stays in L2: how fast a
+  // kernel's loop runs when memory does not bound it).
+  const char* l2_blocks = std::getenv("PROBE_L2_BLOCKS");
+  const int64_t distinct = l2_blocks ? std::max<int64_t>(1, std::atoll(l2_blocks)) : int64_t(tables.size());
+  for (size_t i = 0; i < tables.size(); ++i) tables[i] = int32_t(int64_t(i) % distinct);
   std::shuffle(tables.begin(), tables.end(), rng);
   // q: E4M3 codes with the plain fp8 cache (as the bench runs it), else bf16 about N(0, 1).
   const int64_t q_elems = int64_t(k.batch) * k.heads * kEntry;

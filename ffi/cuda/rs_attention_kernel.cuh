@@ -15,8 +15,11 @@ namespace {
 // i % kRsStages, so each stage serves one warpgroup), each warpgroup with its own softmax state;
 // the two states merge at the end as two splits would. Once a warpgroup has read tile i into
 // registers, its warps 0-1 (one thread a token) issue tile i + kRsStages into that stage, whose
-// rows they looked up during tile i. No producer warp: a ninth warp would cap a thread at 168
-// registers (3 warps on one scheduler's register file), and this loop needs about 190.
+// rows they looked up during tile i. A warpgroup's first tile is asked for at the start, its second
+// once the first has landed, so that the CTAs' first tiles are not queued behind everyone's four
+// (the first tile 3.5-3.9 us after the prologue instead of 6.5-6.8 on an H100). No producer warp:
+// a ninth warp would cap a thread at 168 registers (3 warps on one scheduler's register file), and
+// this loop needs about 190.
 // Per tile, a warpgroup (warp w, g = lane / 4, c = lane % 4):
 // - S^T = K Q^T with wgmma m64n16k16 (M: the 64 tokens, N: the 16 query rows). The latent: 32
 //   k-steps of f16, A = the E4M3 codes of a thread's two tokens (rs_token), 16-byte shared loads
@@ -298,15 +301,21 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
   if (tid < kTileRows) stats.q_max_bits[tid] = 0;
   uint4 q_fetched[kQChunksPerThread];
   fetch_q<ActType::kF16>(a, b, w.row0, q_fetched);
-  const int64_t first_row = tile_token_row(a, w, tid / kTileTokens, tid % kTileTokens);
-  if constexpr (kFp8) tile_rows[tid] = first_row;  // stage tid / 64 (kRsStages x 64 = the CTA's threads)
+  // A token of the first four tiles a thread: fp8_ds_mla's warps 0-1 of a warpgroup its first tile,
+  // warps 2-3 its second (each its issuer); plain fp8's in tile_rows (stage tid / 64), issued by
+  // warp 0 or 1 of the tile's warpgroup.
+  const int first_tile = kFp8 ? tid / kTileTokens : group + kRsGroups * (gtid / kTileTokens);
+  const int64_t first_row = tile_token_row(a, w, first_tile, tid % kTileTokens);
+  if constexpr (kFp8) tile_rows[tid] = first_row;
   __syncthreads();  // the mbarriers, the zeroed maxima and the first tiles' rows are ready
   JKM_PHASE_AT(1);
+  // Each warpgroup's first tile now, its second once the first has landed (below): every CTA's
+  // first tiles are asked for before anyone's second ones.
   if constexpr (kFp8) {
-    if (warp < kRsStages && warp < w.n_tiles) issue_boxes(warp);
+    if (wq == 0 && group < w.n_tiles) issue_boxes(group);
     rs_store_q_codes(q_fetched, q_tile);
   } else {
-    if (tid / kTileTokens < w.n_tiles) issue(tid / kTileTokens, first_row, tid % kTileTokens);
+    if (first_tile < kRsGroups && first_tile < w.n_tiles) issue(first_tile, first_row, tid % kTileTokens);
     q_row_max_bits(a, q_fetched, stats);
     __syncthreads();
     if (tid < kTileRows) {  // the prescale 2^-k puts the row's largest latent value in [2^14, 2^15)
@@ -318,6 +327,15 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
   }
   fence_proxy_async();  // the query tile is read by wgmma
   __syncthreads();
+  if constexpr (kFp8) {
+    if (wq == 1 && group + kRsGroups < w.n_tiles) {
+      mbarrier_wait(full + group, 0);
+      issue_boxes(group + kRsGroups);
+    }
+  } else if (first_tile >= kRsGroups && first_tile < w.n_tiles) {  // warps 2-3 of the warpgroup
+    mbarrier_wait(full + group, 0);
+    issue(first_tile, first_row, tid % kTileTokens);
+  }
 
   uint8_t* p_mine = smem + L::kP + group * L::kPTiles * kTileRows * 128;
   float* max_mine = reinterpret_cast<float*>(smem + L::kMax) + group * 4 * kTileRows;
