@@ -166,37 +166,42 @@ for s in $stages; do
       rs_build fp8-ss-pe128 -DJKM_RS_FP8_SS -DJKM_RS_PE_SW128 & wait
       for name in ds fp8 fp8-ss fp8-ss-pe128 ds fp8 fp8-ss fp8-ss-pe128; do stage "rs-probe-$name" "$bin/$name"; done ;;
     attn-ab)
-      # A decode attention kernel change against the tree, on the phase-stamped probe (no extension
-      # build): A is the tree, B the tree with the patch $AB_PATCH applied (for example
-      # `git diff main my-branch > devrun/ab.patch`, sent with the run tool's carry). A B A B over
-      # $AB_CASES from HBM, then A B over $AB_L2_CASES from L2 (PROBE_L2_BLOCKS=256: the loop with
-      # memory out of the way); PROBE_KERNELS=$AB_KERNELS (default: each format's default kernel).
-      # AB_TEST=1 first installs B's extension (it stays installed) and runs the decode attention's
-      # CUDA tests on it. About 2-4 minutes.
-      if [ -z "${AB_PATCH:-}" ]; then echo "attn-ab needs AB_PATCH, a patch against the tree"; status=1; continue; fi
-      patch_file=$(realpath "$AB_PATCH")
-      ab=$(mktemp -d)
-      mkdir "$ab/A" "$ab/B" && cp -r ffi benchmarks "$ab/A/" && cp -r ffi benchmarks "$ab/B/"
-      if ! patch -d "$ab/B" -p1 -s < "$patch_file"; then echo "$AB_PATCH does not apply to the tree"; status=1; continue; fi
+      # Decode attention kernel changes against the tree, on the phase-stamped probe (no extension
+      # build): variant A is the tree, and each patch of $AB_PATCH (space-separated, for example
+      # `git diff main my-branch > devrun/ab.patch`, sent with the run tool's carry) the tree with
+      # that patch, named after its file. Every variant in turn over $AB_CASES from HBM, twice, then
+      # once over $AB_L2_CASES from L2 (PROBE_L2_BLOCKS=256: the loop with memory out of the way);
+      # PROBE_KERNELS=$AB_KERNELS (default: each format's default kernel). AB_TEST=1 first installs
+      # the first patch's extension (it stays installed) and runs the decode attention's CUDA tests
+      # on it. About 2-4 minutes.
+      if [ -z "${AB_PATCH:-}" ]; then echo "attn-ab needs AB_PATCH, patches against the tree"; status=1; continue; fi
+      ab=$(mktemp -d) variants=(A) patches=()
+      mkdir "$ab/A" && cp -r ffi benchmarks "$ab/A/"
+      for file in $AB_PATCH; do
+        name=$(basename "$file" .patch) patches+=("$(realpath "$file")")
+        mkdir "$ab/$name" && cp -r ffi benchmarks "$ab/$name/" && variants+=("$name")
+        patch -d "$ab/$name" -p1 -s < "$file" || { echo "$file does not apply to the tree"; status=1; continue 2; }
+      done
       jax_inc=$(python3 -c 'import jax.ffi; print(jax.ffi.include_dir())')
-      for v in A B; do
+      for v in "${variants[@]}"; do
         nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DJKM_SM90A_BUILT -DJKM_PHASE_STAMPS \
           -I "$ab/$v/ffi/include" -I "$jax_inc" -o "$ab/attn-$v" "$ab/$v/benchmarks/probes/decode_attention.cu" 2>&1 |
           grep -E " error" &
       done
       if [ "${AB_TEST:-0}" = 1 ]; then
-        mkdir "$ab/tree" && cp -r . "$ab/tree/" && patch -d "$ab/tree" -p1 -s < "$patch_file"
+        mkdir "$ab/tree" && cp -r . "$ab/tree/" && patch -d "$ab/tree" -p1 -s < "${patches[0]}"
         stage attn-ab-test bash -c "cd '$ab/tree' && python3 -m pip install -q --no-build-isolation --no-deps . &&
           python3 -P -m pytest -q -p no:cacheprovider -n 8 -p xdist tests/test_decode_attention.py tests/test_padded_rows.py -k cuda"
       fi
       wait
-      for run in A1 B1 A2 B2; do
-        v=${run:0:1}
-        stage "attn-ab-$run" env PROBE_KERNELS="${AB_KERNELS:-default}" "$ab/attn-$v" \
-          ${AB_CASES:-fp8:64:16384:12:2 fp8:16:16384:12:8 ds:64:16384:12:2 ds:16:16384:12:8}
+      for run in 1 2; do
+        for v in "${variants[@]}"; do
+          stage "attn-ab-$v-$run" env PROBE_KERNELS="${AB_KERNELS:-default}" "$ab/attn-$v" \
+            ${AB_CASES:-fp8:64:16384:12:2 fp8:16:16384:12:8 ds:64:16384:12:2 ds:16:16384:12:8}
+        done
       done
-      for v in A B; do
-        stage "attn-ab-l2-$v" env PROBE_L2_BLOCKS=256 PROBE_KERNELS="${AB_KERNELS:-default}" "$ab/attn-$v" \
+      for v in "${variants[@]}"; do
+        stage "attn-ab-$v-l2" env PROBE_L2_BLOCKS=256 PROBE_KERNELS="${AB_KERNELS:-default}" "$ab/attn-$v" \
           ${AB_L2_CASES:-fp8:64:16384:12:2 ds:64:16384:12:2}
       done ;;
     attn-probe|attn-phases)
