@@ -173,7 +173,7 @@ for s in $stages; do
       # once over $AB_L2_CASES from L2 (PROBE_L2_BLOCKS=256: the loop with memory out of the way);
       # PROBE_KERNELS=$AB_KERNELS (default: each format's default kernel). AB_TEST=1 first installs
       # the first patch's extension (it stays installed) and runs the decode attention's CUDA tests
-      # on it. About 2-4 minutes.
+      # on it. About 2-4 minutes (a run that hangs is stopped after 2).
       if [ -z "${AB_PATCH:-}" ]; then echo "attn-ab needs AB_PATCH, patches against the tree"; status=1; continue; fi
       ab=$(mktemp -d) variants=(A) patches=()
       mkdir "$ab/A" && cp -r ffi benchmarks "$ab/A/"
@@ -191,17 +191,17 @@ for s in $stages; do
       if [ "${AB_TEST:-0}" = 1 ]; then
         mkdir "$ab/tree" && cp -r . "$ab/tree/" && patch -d "$ab/tree" -p1 -s < "${patches[0]}"
         stage attn-ab-test bash -c "cd '$ab/tree' && python3 -m pip install -q --no-build-isolation --no-deps . &&
-          python3 -P -m pytest -q -p no:cacheprovider -n 8 -p xdist tests/test_decode_attention.py tests/test_padded_rows.py -k cuda"
+          timeout 300 python3 -P -m pytest -q -p no:cacheprovider -n 8 -p xdist tests/test_decode_attention.py tests/test_padded_rows.py -k cuda"
       fi
       wait
       for run in 1 2; do
         for v in "${variants[@]}"; do
-          stage "attn-ab-$v-$run" env PROBE_KERNELS="${AB_KERNELS:-default}" "$ab/attn-$v" \
+          stage "attn-ab-$v-$run" timeout 120 env PROBE_KERNELS="${AB_KERNELS:-default}" "$ab/attn-$v" \
             ${AB_CASES:-fp8:64:16384:12:2 fp8:16:16384:12:8 ds:64:16384:12:2 ds:16:16384:12:8}
         done
       done
       for v in "${variants[@]}"; do
-        stage "attn-ab-$v-l2" env PROBE_L2_BLOCKS=256 PROBE_KERNELS="${AB_KERNELS:-default}" "$ab/attn-$v" \
+        stage "attn-ab-$v-l2" timeout 60 env PROBE_L2_BLOCKS=256 PROBE_KERNELS="${AB_KERNELS:-default}" "$ab/attn-$v" \
           ${AB_L2_CASES:-fp8:64:16384:12:2 ds:64:16384:12:2}
       done ;;
     attn-probe|attn-phases)
