@@ -301,12 +301,11 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
   if (tid < kTileRows) stats.q_max_bits[tid] = 0;
   uint4 q_fetched[kQChunksPerThread];
   fetch_q<ActType::kF16>(a, b, w.row0, q_fetched);
-  // A token of the first four tiles a thread: fp8_ds_mla's warps 0-1 of a warpgroup its first tile,
-  // warps 2-3 its second (each its issuer); plain fp8's in tile_rows (stage tid / 64), issued by
-  // warp 0 or 1 of the tile's warpgroup.
-  const int first_tile = kFp8 ? tid / kTileTokens : group + kRsGroups * (gtid / kTileTokens);
+  // A token of the first four tiles a thread: warps 0-1 of a warpgroup its first tile, warps 2-3 its
+  // second (fp8_ds_mla: each its issuer; plain fp8: the rows in tile_rows, for warp 0 or 1).
+  const int first_tile = group + kRsGroups * (gtid / kTileTokens);
   const int64_t first_row = tile_token_row(a, w, first_tile, tid % kTileTokens);
-  if constexpr (kFp8) tile_rows[tid] = first_row;
+  if constexpr (kFp8) tile_rows[first_tile * kTileTokens + tid % kTileTokens] = first_row;
   __syncthreads();  // the mbarriers, the zeroed maxima and the first tiles' rows are ready
   JKM_PHASE_AT(1);
   // Each warpgroup's first tile now, its second once the first has landed (below): every CTA's
