@@ -183,10 +183,14 @@ for s in $stages; do
         patch -d "$ab/$name" -p1 -s < "$file" || { echo "$file does not apply to the tree"; status=1; continue 2; }
       done
       jax_inc=$(python3 -c 'import jax.ffi; print(jax.ffi.include_dir())')
+      pipeline=$(command -v cuobjdump >/dev/null && command -v nvdisasm >/dev/null && echo --pipeline)
       for v in "${variants[@]}"; do
         nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DJKM_SM90A_BUILT -DJKM_PHASE_STAMPS \
           -I "$ab/$v/ffi/include" -I "$jax_inc" -o "$ab/attn-$v" "$ab/$v/benchmarks/probes/decode_attention.cu" 2>&1 |
           grep -E " error" &
+        # This machine's ptxas on the variant's rs kernels: registers, spills, serialized wgmmas.
+        python3 scripts/wgmma_report.py "$ab/$v/ffi/cuda/decode_attention_cuda.cu" --kernel rs_attention $pipeline \
+          > "$ab/wgmma-$v.txt" 2>&1 &
       done
       if [ "${AB_TEST:-0}" = 1 ]; then
         mkdir "$ab/tree" && cp -r . "$ab/tree/" && patch -d "$ab/tree" -p1 -s < "${patches[0]}"
@@ -194,6 +198,7 @@ for s in $stages; do
           timeout 300 python3 -P -m pytest -q -p no:cacheprovider -n 8 -p xdist tests/test_decode_attention.py tests/test_padded_rows.py -k cuda"
       fi
       wait
+      for v in "${variants[@]}"; do echo "=== attn-ab-$v wgmma_report"; cat "$ab/wgmma-$v.txt"; done | tee "$OUT/attn-ab-wgmma.log"
       for run in 1 2; do
         for v in "${variants[@]}"; do
           stage "attn-ab-$v-$run" timeout 120 env PROBE_KERNELS="${AB_KERNELS:-default}" "$ab/attn-$v" \
