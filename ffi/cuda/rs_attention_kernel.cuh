@@ -41,9 +41,12 @@ namespace {
 //   rs_column) x 4 k-steps of 16 tokens, A = the codes of a thread's 4 tokens x 4 columns
 //   (32-bit loads, paired by prmt, converted in registers).
 // The tile's rows are read conflict-free: for S^T a quarter-warp's two tokens are 4 rows apart
-// (656 = 16 mod 128), for P.V a k-step's four lanes' tokens are 2 rows apart. ptxas keeps the
-// wgmmas asynchronous only with wgmma.wait_group 0 between groups (a deeper pipeline serializes
-// them: C7513/C7514), so each group's conversion overlaps the previous group's MMAs.
+// (656 = 16 mod 128), for P.V a k-step's four lanes' tokens are 2 rows apart. Inside S^T and
+// inside P.V one group stays in flight (wgmma.wait_group 1): group k is converted while k - 1
+// runs and issued behind it, so the tensor cores do not drain between groups (nvcc 13.0's ptxas
+// keeps these asynchronous: no C751x, SASS WARPGROUP.DEPBAR.LE gsb0, 0x1; earlier builds had
+// serialized them, C7513/C7514). A group left in flight across the tile's end still serializes
+// every wgmma (C7514/C7515), so each tile ends with wait_group 0.
 // Probe: benchmarks/probes/ds_rs_tile_loop.cu (the loop without paging: 1.40 us a tile from HBM
 // against attention_kernel's 2.38 on the H200). History: docs/DECODE_ATTENTION.md, Sixteenth round.
 //
@@ -431,6 +434,7 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
           next0 = *reinterpret_cast<const uint4*>(row0 + 64 * (G + 1) + 16 * c);
           next1 = *reinterpret_cast<const uint4*>(row1 + 64 * (G + 1) + 16 * c);
         }
+        if (G >= 2) wgmma_wait<1>();  // group G - 2 done (frag[G & 1] was its); G - 1 may still run
         uint32_t(&f)[16] = frag[G & 1];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -439,7 +443,6 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
           f[4 * j + 2] = e4m3x2_half_to_f16x2<1>(w0[j]);
           f[4 * j + 3] = e4m3x2_half_to_f16x2<1>(w1[j]);
         }
-        if (G >= 1) wgmma_wait<0>();  // group G - 1 done (frag[G & 1] was group G - 2's)
         if (G % 2 == 0) wgmma_fence_after(acc[G / 2]);
         else wgmma_fence();
 #pragma unroll
@@ -580,6 +583,7 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
           for (int t = 0; t < kScaleTiles; ++t)
             v[t][e][f] = *reinterpret_cast<const uint32_t*>(row + t * (kFp8 ? kChunkBytes : 128));
         }
+      if (ks >= 2) wgmma_wait<1>();  // group ks - 2 done (vfrag[ks & 1] was its); ks - 1 may still run
       uint32_t(&f)[8][4] = vfrag[ks & 1];
 #pragma unroll
       for (int t = 0; t < kScaleTiles; ++t)
@@ -592,7 +596,6 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
           f[2 * t + hv][2] = e4m3x2_half_to_f16x2<0>(hi);
           f[2 * t + hv][3] = e4m3x2_half_to_f16x2<1>(hi);
         }
-      if (ks >= 1) wgmma_wait<0>();
       if (ks == 0) wgmma_fence_after(st.o);
       else wgmma_fence();
 #pragma unroll
