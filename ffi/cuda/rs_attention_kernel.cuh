@@ -522,8 +522,14 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
 #pragma unroll
       for (int x = 0; x < 8; ++x) {
         const int h = (x >> 1) & 1, k = 2 * (x >> 2) + (x & 1), m = h ? tok1 : tok0;
-        // (a NaN logit while the reference is still -inf must stay NaN: it reaches out and lse)
-        p[x] = st.ref[k] != -INFINITY ? exp2f(logit[x] - st.ref[k]) : logit[x] != logit[x] ? logit[x] : 0.0f;
+        // While the reference is still -inf, p is 0, or NaN for a NaN logit (it must reach out and
+        // lse). Both arms are computed and selected, the NaN one by bits: as nested ternaries, ptxas
+        // branched around each of the eight powers (their MUFU latencies in a row, a reconvergence
+        // point each); so the loop is straight from S^T to P.V, as the probe's.
+        const float power = exp2f(logit[x] - st.ref[k]);
+        const uint32_t bits = __float_as_uint(logit[x]);
+        const float nan_or_zero = __uint_as_float(bits & (0u - uint32_t((bits & 0x7FFFFFFFu) > 0x7F800000u)));
+        p[x] = st.ref[k] != -INFINITY ? power : nan_or_zero;
 #pragma unroll
         for (int t = 0; t < L::kPTiles; ++t)
           *reinterpret_cast<__half*>(p_mine + t * kTileRows * 128 + swizzled_piece(rs_row(k, c), m / 8, kTileRows) +
