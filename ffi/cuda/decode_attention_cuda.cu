@@ -233,7 +233,7 @@ cudaLaunchConfig_t rs_launch_config(dim3 grid, cudaStream_t stream, bool cluster
   attribute.id = cudaLaunchAttributeClusterDimension;
   attribute.val.clusterDim.x = grid.x, attribute.val.clusterDim.y = 1, attribute.val.clusterDim.z = 1;
   cudaLaunchConfig_t config{};
-  config.gridDim = grid, config.blockDim = dim3(kThreads), config.dynamicSmemBytes = kBytes;
+  config.gridDim = grid, config.blockDim = dim3(kRsThreads), config.dynamicSmemBytes = kBytes;
   config.stream = stream, config.attrs = &attribute, config.numAttrs = cluster ? 1 : 0;
   return config;
 }

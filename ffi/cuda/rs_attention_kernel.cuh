@@ -10,16 +10,16 @@ namespace {
 
 // ---- rs_attention_kernel (the 1-byte caches at S_q = 1, sm_90a): the tokens as M ----
 //
-// 256 threads, one CTA per SM, grid and partials as attention_kernel's. The two warpgroups take
-// alternate 64-token tiles of the split from a ring of kRsStages raw stages (tile i in stage
-// i % kRsStages, so each stage serves one warpgroup), each warpgroup with its own softmax state;
-// the two states merge at the end as two splits would. Once a warpgroup has read tile i into
-// registers, its warps 0-1 (one thread a token) issue tile i + kRsStages into that stage, whose
-// rows they looked up during tile i. A warpgroup's first tile is asked for at the start, its second
-// once the first has landed, so that the CTAs' first tiles are not queued behind everyone's four
-// (the first tile 3.5-3.9 us after the prologue instead of 6.5-6.8 on an H100). No producer warp:
-// a ninth warp would cap a thread at 168 registers (3 warps on one scheduler's register file), and
-// this loop needs about 190.
+// 384 threads, one CTA per SM, grid and partials as attention_kernel's: two consumer warpgroups and
+// a producer warpgroup (FlashAttention 3's layout). The consumers take alternate 64-token tiles of
+// the split from a ring of kRsStages raw stages (tile i in stage i % kRsStages, so each stage
+// serves one consumer warpgroup), each with its own softmax state; the two states merge at the end
+// as two splits would. The producer (produce_rs_tiles) looks up each tile's rows and issues it into
+// its stage once the consumer warpgroup has read the stage's previous tile (its empty barrier).
+// Setmaxnreg moves registers from the producer to the consumers, which need about 190-210: with
+// the launch's 168 a thread they would spill. (Until the Twenty-sixth round two warpgroups of 256
+// threads looked up and issued the tiles themselves; wgmma being a warpgroup's, a warp busy
+// issuing held up its warpgroup's next MMA: docs/DECODE_ATTENTION.md, Twenty-fifth round.)
 // Per tile, a warpgroup (warp w, g = lane / 4, c = lane % 4):
 // - S^T = K Q^T with wgmma m64n16k16 (M: the 64 tokens, N: the 16 query rows). The latent: 32
 //   k-steps of f16, A = the E4M3 codes of a thread's two tokens (rs_token), 16-byte shared loads
@@ -41,9 +41,12 @@ namespace {
 //   rs_column) x 4 k-steps of 16 tokens, A = the codes of a thread's 4 tokens x 4 columns
 //   (32-bit loads, paired by prmt, converted in registers).
 // The tile's rows are read conflict-free: for S^T a quarter-warp's two tokens are 4 rows apart
-// (656 = 16 mod 128), for P.V a k-step's four lanes' tokens are 2 rows apart. ptxas keeps the
-// wgmmas asynchronous only with wgmma.wait_group 0 between groups (a deeper pipeline serializes
-// them: C7513/C7514), so each group's conversion overlaps the previous group's MMAs.
+// (656 = 16 mod 128), for P.V a k-step's four lanes' tokens are 2 rows apart. Inside S^T and
+// inside P.V one group stays in flight (wgmma.wait_group 1): group k is converted while k - 1
+// runs and issued behind it, so the tensor cores do not drain between groups (nvcc 13.0's ptxas
+// keeps these asynchronous: no C751x, SASS WARPGROUP.DEPBAR.LE gsb0, 0x1; earlier builds had
+// serialized them, C7513/C7514). A group left in flight across the tile's end still serializes
+// every wgmma (C7514/C7515), so each tile ends with wait_group 0.
 // Probe: benchmarks/probes/ds_rs_tile_loop.cu (the loop without paging: 1.40 us a tile from HBM
 // against attention_kernel's 2.38 on the H200). History: docs/DECODE_ATTENTION.md, Sixteenth round.
 //
@@ -53,19 +56,29 @@ namespace {
 // tile from L2, 1.178 from HBM, 97% of the copy ceiling, against 1.303 and 1.488 with A from
 // registers; docs/DECODE_ATTENTION.md, Twenty-fourth round). For that the tile lands
 // by tensor-map boxes (issue_swizzled_tile, fp8_tile_offset: four 128-byte swizzled chunks of 128
-// columns, the rope columns a 64-byte swizzled fifth), warp 0 of the warpgroup issuing from the
-// rows its warps 0-1 looked up, masked tokens' rows zeroed after landing; the query tile holds its
+// columns, the rope columns a 64-byte swizzled fifth), issued by the producer's warp 0, masked
+// tokens' rows zeroed after landing; the query tile holds its
 // E4M3 codes in the same layout (no prescale: the codes meet the codes). One accumulator a chunk
 // (the tensor cores' E4M3 sums are coarser than float32), added in float32; no scales, so one P
 // tile; P.V as fp8_ds_mla's, its A loads at the swizzled places (conflict-free), its tokens in
 // natural order (rs_token).
-constexpr int kRsGroups = 2;
+constexpr int kRsGroups = 2;                              // the consumer warpgroups
+constexpr int kRsThreads = (kRsGroups + 1) * 128;         // and the producer warpgroup (group 2)
+// setmaxnreg: the launch gives every thread kRsLaunchRegisters; the producer warpgroup gives some
+// back and the two consumer warpgroups take exactly those (the pool holds only what was given back).
+// Plain fp8's producer issues boxes (72 registers without spills), fp8_ds_mla's bulk copies (40);
+// its consumers then have 232 (at 216 ptxas spills).
+constexpr int kRsLaunchRegisters = 65536 / kRsThreads / 8 * 8;  // 168
+template <CacheFormat kFormat>
+constexpr int kRsProducerRegisters = kFormat == CacheFormat::kFp8 ? 72 : 40;
+template <CacheFormat kFormat>
+constexpr int kRsConsumerRegisters = kRsLaunchRegisters + (kRsLaunchRegisters - kRsProducerRegisters<kFormat>) / kRsGroups;
+constexpr int kRsConsumerBarrier = 1 + kRsGroups;         // named barrier of the consumers (1, 2: each group's)
 constexpr int kRsStages = 4;
 constexpr int kRsMinSplitTiles = 4;  // the default from this many tiles a split (choose_kernel)
 constexpr float kRsSlack = 8.0f;  // log2 units: P' values up to 2^8 before the reference moves
 constexpr int kScaleTiles = kLatent / kDsMlaTile;  // 4
 static_assert(kRsGroups * 128 == kThreads && kScaleTiles == 4 && kTileRows == 16);
-static_assert(kRsStages * kTileTokens == kThreads, "the prologue gives each first tile's token a thread");
 constexpr int kFp8QkSteps = kEntry / 32;  // 18 E4M3 k-steps of S^T (plain fp8)
 
 // The query prescale: the latent q meets the codes in f16 MMAs, so each query row is stored times
@@ -210,7 +223,8 @@ struct RsState {
 // apart) and their lse (-inf: empty or not a live split, rows of zeros). CTA k then merges output
 // pieces k, k + n, ... of every row over the cluster's n CTAs, with combine_kernel's weights
 // (exp(lse_s - max lse) over the non-empty splits; a NaN lse makes the row NaN), and writes them;
-// rank 0 writes the lse. weights: [kTileRows][kMaxClusterSplits] floats of this CTA's.
+// rank 0 writes the lse. weights: [kTileRows][kMaxClusterSplits] floats of this CTA's. Run by the
+// consumer warpgroups (the producer's threads take part in the two cluster barriers only).
 constexpr int kMaxClusterSplits = 8;  // a portable cluster size
 
 __device__ void merge_cluster_splits(const DecodeAttention& a, int64_t b, int64_t row0, const float* staging,
@@ -236,10 +250,10 @@ __device__ void merge_cluster_splits(const DecodeAttention& a, int64_t b, int64_
     for (int j = 0; j < kMaxClusterSplits; ++j) weights[tid * kMaxClusterSplits + j] = empty ? 0.0f : weight[j] / sum;
     if (me == 0) a.lse[b * a.rows() + row0 + tid] = empty ? -INFINITY : m + logf(sum);
   }
-  __syncthreads();
+  named_barrier_sync(kRsConsumerBarrier, kThreads);
   constexpr int kPieces = kLatent / 8;
   const int mine = (kPieces - me + n - 1) / n;
-  for (int i = tid; i < rows * mine; i += int(blockDim.x)) {
+  for (int i = tid; i < rows * mine; i += kThreads) {
     const int row = i / mine, col = 8 * (me + n * (i % mine));
     float v[8] = {};
 #pragma unroll
@@ -255,6 +269,54 @@ __device__ void merge_cluster_splits(const DecodeAttention& a, int64_t b, int64_
     store_out8(a, b, row0 + row, col, v);
   }
   cluster_sync();  // the other CTAs are done reading this one's rows
+}
+
+// The producer warpgroup (threads kThreads.. of the CTA): tile t of the split into stage
+// t % kRsStages once the consumer warpgroup that read the stage's tile t - kRsStages has arrived on
+// its empty barrier, and each warpgroup's second tile once its first has landed (so every CTA's
+// first tiles come before anyone's second ones). fp8_ds_mla: warps 0-1, a token a thread, each run
+// of consecutive rows one bulk copy, and the tile's live-token masks; plain fp8: warp 0, the tile's
+// boxes (issue_swizzled_tile) from its rows in tile_rows. The rows of tile t + 1 are looked up
+// while tile t's stage is waited for. The consumers neither look up nor issue: wgmma is a
+// warpgroup's, so a warp busy issuing held up its warpgroup's next MMA (docs/DECODE_ATTENTION.md,
+// Twenty-fifth round).
+template <CacheFormat kFormat>
+__device__ void produce_rs_tiles(const DecodeAttention& a, const Work& w, const TileMaps& maps, uint8_t* smem) {
+  using L = RsLayout<kFormat>;
+  constexpr bool kFp8 = L::kFp8;
+  const int thread = int(threadIdx.x) - kThreads, lane = thread % 32;
+  if (thread >= (kFp8 ? 32 : kTileTokens)) return;  // whole warps
+  uint8_t* raw = smem + L::kRaw;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
+  uint64_t* empty = full + kRsStages;
+  uint32_t* masks = reinterpret_cast<uint32_t*>(smem + L::kMasks);     // fp8_ds_mla: [stage][2]
+  uint64_t* zero_rows = reinterpret_cast<uint64_t*>(smem + L::kMasks);  // plain fp8: [stage]
+  int64_t* tile_rows = reinterpret_cast<int64_t*>(smem + L::kRows);     // plain fp8: [stage][64]
+  // This thread's rows of tile t: plain fp8 tokens lane and lane + 32, fp8_ds_mla token `thread`.
+  const auto look_up = [&](int64_t t, int64_t (&rows)[2]) {
+    rows[0] = tile_token_row(a, w, t, kFp8 ? lane : thread);
+    rows[1] = kFp8 ? tile_token_row(a, w, t, lane + 32) : -1;
+  };
+  int64_t rows[2] = {-1, -1};
+  if (w.n_tiles > 0) look_up(0, rows);
+  for (int64_t t = 0; t < w.n_tiles; ++t) {
+    const int s = int(t % kRsStages);
+    int64_t next[2] = {-1, -1};
+    if (t + 1 < w.n_tiles) look_up(t + 1, next);
+    if (t >= kRsStages) mbarrier_wait(empty + s, uint32_t(t / kRsStages - 1) & 1);
+    else if (t >= kRsGroups) mbarrier_wait(full + s - kRsGroups, 0);  // the warpgroup's first tile landed
+    uint8_t* stage = raw + s * L::kStageBytes;
+    if constexpr (kFp8) {
+      tile_rows[s * kTileTokens + lane] = rows[0], tile_rows[s * kTileTokens + lane + 32] = rows[1];
+      __syncwarp();
+      issue_swizzled_tile<kFormat>(a, maps, tile_rows + s * kTileTokens, stage, full + s, zero_rows + s);
+    } else {
+      const uint32_t live = __ballot_sync(0xFFFFFFFFu, rows[0] >= 0);
+      if (lane == 0) masks[2 * s + thread / 32] = live;
+      issue_raw_tile<CacheFormat::kFp8DsMla>(a, rows[0], stage, full + s, thread);
+    }
+    rows[0] = next[0], rows[1] = next[1];
+  }
 }
 
 template <CacheFormat kFormat>
@@ -274,24 +336,12 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
   uint8_t* qpe_tile = smem + L::kQpe;
   uint32_t* masks = reinterpret_cast<uint32_t*>(smem + L::kMasks);
   uint64_t* zero_rows = reinterpret_cast<uint64_t*>(smem + L::kMasks);  // plain fp8
-  int64_t* tile_rows = reinterpret_cast<int64_t*>(smem + L::kRows);     // plain fp8: [stage][64]
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
   uint64_t* empty = full + kRsStages;
   QPrescale& stats = *reinterpret_cast<QPrescale*>(smem + L::kStats);
   const auto stage = [&](int s) { return raw + s * L::kStageBytes; };
   const int tid = int(threadIdx.x), warp = uniform_warp_index(), lane = tid % 32;
   const int group = warp / 4, wq = warp % 4, g = lane / 4, c = lane % 4, gtid = tid % 128;
-  // fp8_ds_mla: warps 0-1 of a warpgroup (thread `token`) issue a tile, its live tokens' mask and
-  // then the copies of its runs of rows.
-  const auto issue = [&](int s, int64_t row, int token) {
-    const uint32_t live = __ballot_sync(0xFFFFFFFFu, row >= 0);
-    if (lane == 0) masks[2 * s + token / 32] = live;
-    issue_raw_tile<CacheFormat::kFp8DsMla>(a, row, stage(s), full + s, token);
-  };
-  // Plain fp8: one warp issues a tile's boxes from the rows in tile_rows[s] (one arrival a lane).
-  const auto issue_boxes = [&](int s) {
-    issue_swizzled_tile<kFormat>(a, maps, tile_rows + s * kTileTokens, stage(s), full + s, zero_rows + s);
-  };
 
   __syncthreads();  // this CTA's previous sequence is done with the shared memory
   if (tid == 0) {
@@ -299,42 +349,31 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
     mbarrier_init_fence();
   }
   if (tid < kTileRows) stats.q_max_bits[tid] = 0;
+  __syncthreads();  // the mbarriers and the zeroed maxima are ready
+  JKM_PHASE_AT(1);
+  if (group == kRsGroups) {  // the producer: every tile of the split, then the cluster's barriers
+    set_max_registers<kRsProducerRegisters<kFormat>, false>();
+    produce_rs_tiles<kFormat>(a, w, maps, smem);
+    if (in_cluster) cluster_sync(), cluster_sync();  // merge_cluster_splits's
+    return;
+  }
+  set_max_registers<kRsConsumerRegisters<kFormat>, true>();
   uint4 q_fetched[kQChunksPerThread];
   fetch_q<ActType::kF16>(a, b, w.row0, q_fetched);
-  // A token of the first four tiles a thread: warps 0-1 of a warpgroup its first tile, warps 2-3 its
-  // second (fp8_ds_mla: each its issuer; plain fp8: the rows in tile_rows, for warp 0 or 1).
-  const int first_tile = group + kRsGroups * (gtid / kTileTokens);
-  const int64_t first_row = tile_token_row(a, w, first_tile, tid % kTileTokens);
-  if constexpr (kFp8) tile_rows[first_tile * kTileTokens + tid % kTileTokens] = first_row;
-  __syncthreads();  // the mbarriers, the zeroed maxima and the first tiles' rows are ready
-  JKM_PHASE_AT(1);
-  // Each warpgroup's first tile now, its second once the first has landed (below): every CTA's
-  // first tiles are asked for before anyone's second ones.
   if constexpr (kFp8) {
-    if (wq == 0 && group < w.n_tiles) issue_boxes(group);
     rs_store_q_codes(q_fetched, q_tile);
   } else {
-    if (first_tile < kRsGroups && first_tile < w.n_tiles) issue(first_tile, first_row, tid % kTileTokens);
     q_row_max_bits(a, q_fetched, stats);
-    __syncthreads();
+    named_barrier_sync(kRsConsumerBarrier, kThreads);
     if (tid < kTileRows) {  // the prescale 2^-k puts the row's largest latent value in [2^14, 2^15)
       const uint32_t e = exponent_of(__int_as_float(stats.q_max_bits[tid]));
       stats.q_unscale[tid] = e == 0 || e == 0xFF ? 1.0f : ldexpf(1.0f, max(int(e) - 127 - 14, -126));
     }
-    __syncthreads();
+    named_barrier_sync(kRsConsumerBarrier, kThreads);
     rs_store_q(a, q_fetched, stats, q_tile, qpe_tile);
   }
   fence_proxy_async();  // the query tile is read by wgmma
-  __syncthreads();
-  if constexpr (kFp8) {
-    if (wq == 1 && group + kRsGroups < w.n_tiles) {
-      mbarrier_wait(full + group, 0);
-      issue_boxes(group + kRsGroups);
-    }
-  } else if (first_tile >= kRsGroups && first_tile < w.n_tiles) {  // warps 2-3 of the warpgroup
-    mbarrier_wait(full + group, 0);
-    issue(first_tile, first_row, tid % kTileTokens);
-  }
+  named_barrier_sync(kRsConsumerBarrier, kThreads);
 
   uint8_t* p_mine = smem + L::kP + group * L::kPTiles * kTileRows * 128;
   float* max_mine = reinterpret_cast<float*>(smem + L::kMax) + group * 4 * kTileRows;
@@ -355,11 +394,6 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
   for (int64_t i = group; i < w.n_tiles; i += kRsGroups) {
     const int s = int(i % kRsStages);
     const uint8_t* tile = stage(s);
-    const bool issues = gtid < kTileTokens && i + kRsStages < w.n_tiles;
-    const int64_t next_row = issues ? tile_token_row(a, w, i + kRsStages, gtid) : -1;
-    // Plain fp8: warp 0 issues from these rows after the stage is read; the vote's barrier below
-    // orders warp 1's writes before that (warp 0 read the stage's previous rows two tiles back).
-    if (kFp8 && issues) tile_rows[s * kTileTokens + gtid] = next_row;
     mbarrier_wait(full + s, uint32_t(i / kRsStages) & 1);
     JKM_TILE_AT(i);
     bool live0, live1;
@@ -400,6 +434,7 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
           next0 = *reinterpret_cast<const uint4*>(row0 + 64 * (G + 1) + 16 * c);
           next1 = *reinterpret_cast<const uint4*>(row1 + 64 * (G + 1) + 16 * c);
         }
+        if (G >= 2) wgmma_wait<1>();  // group G - 2 done (frag[G & 1] was its); G - 1 may still run
         uint32_t(&f)[16] = frag[G & 1];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -408,7 +443,6 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
           f[4 * j + 2] = e4m3x2_half_to_f16x2<1>(w0[j]);
           f[4 * j + 3] = e4m3x2_half_to_f16x2<1>(w1[j]);
         }
-        if (G >= 1) wgmma_wait<0>();  // group G - 1 done (frag[G & 1] was group G - 2's)
         if (G % 2 == 0) wgmma_fence_after(acc[G / 2]);
         else wgmma_fence();
 #pragma unroll
@@ -488,8 +522,14 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
 #pragma unroll
       for (int x = 0; x < 8; ++x) {
         const int h = (x >> 1) & 1, k = 2 * (x >> 2) + (x & 1), m = h ? tok1 : tok0;
-        // (a NaN logit while the reference is still -inf must stay NaN: it reaches out and lse)
-        p[x] = st.ref[k] != -INFINITY ? exp2f(logit[x] - st.ref[k]) : logit[x] != logit[x] ? logit[x] : 0.0f;
+        // While the reference is still -inf, p is 0, or NaN for a NaN logit (it must reach out and
+        // lse). Both arms are computed and selected, the NaN one by bits: as nested ternaries, ptxas
+        // branched around each of the eight powers (their MUFU latencies in a row, a reconvergence
+        // point each); so the loop is straight from S^T to P.V, as the probe's.
+        const float power = exp2f(logit[x] - st.ref[k]);
+        const uint32_t bits = __float_as_uint(logit[x]);
+        const float nan_or_zero = __uint_as_float(bits & (0u - uint32_t((bits & 0x7FFFFFFFu) > 0x7F800000u)));
+        p[x] = st.ref[k] != -INFINITY ? power : nan_or_zero;
 #pragma unroll
         for (int t = 0; t < L::kPTiles; ++t)
           *reinterpret_cast<__half*>(p_mine + t * kTileRows * 128 + swizzled_piece(rs_row(k, c), m / 8, kTileRows) +
@@ -549,6 +589,7 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
           for (int t = 0; t < kScaleTiles; ++t)
             v[t][e][f] = *reinterpret_cast<const uint32_t*>(row + t * (kFp8 ? kChunkBytes : 128));
         }
+      if (ks >= 2) wgmma_wait<1>();  // group ks - 2 done (vfrag[ks & 1] was its); ks - 1 may still run
       uint32_t(&f)[8][4] = vfrag[ks & 1];
 #pragma unroll
       for (int t = 0; t < kScaleTiles; ++t)
@@ -561,7 +602,6 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
           f[2 * t + hv][2] = e4m3x2_half_to_f16x2<0>(hi);
           f[2 * t + hv][3] = e4m3x2_half_to_f16x2<1>(hi);
         }
-      if (ks >= 1) wgmma_wait<0>();
       if (ks == 0) wgmma_fence_after(st.o);
       else wgmma_fence();
 #pragma unroll
@@ -570,18 +610,8 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
                                  swizzled_descriptor(p_mine + (kFp8 ? 0 : mb / 2) * kTileRows * 128 + 32 * ks), 1);
       wgmma_commit();
     }
-    mbarrier_arrive(empty + s);  // the stage is read (into registers): tile i + kRsStages may land there
-    if constexpr (kFp8) {
-      if (wq == 0 && i + kRsStages < w.n_tiles) {
-        mbarrier_wait(empty + s, uint32_t(i / kRsStages) & 1);
-        issue_boxes(s);
-      }
-    } else if (issues) {
-      mbarrier_wait(empty + s, uint32_t(i / kRsStages) & 1);
-      issue(s, next_row, gtid);
-    }
-    // P.V's last group runs under the copies' issue; waiting for it at the next tile's top instead
-    // makes ptxas serialize the wgmmas (C7515).
+    mbarrier_arrive(empty + s);  // the stage is read (into registers): the producer may fill it again
+    // Waiting for P.V's last group at the next tile's top instead makes ptxas serialize the wgmmas (C7515).
     wgmma_wait<0>();
   }
   wgmma_wait<0>();
@@ -603,7 +633,7 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
     for (int mb = 0; mb < 8; ++mb)
 #pragma unroll
       for (int x = 0; x < 8; ++x) exchange[(8 * mb + x) * 128 + gtid] = st.o[mb][x];
-  __syncthreads();
+  named_barrier_sync(kRsConsumerBarrier, kThreads);
   float* staging = reinterpret_cast<float*>(raw);
   const int64_t rows = a.rows();
   if (group == 0) {
@@ -641,7 +671,7 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
         staging[rs_row(k, c) * kStagingStride + rs_column(mb, wq, g, h)] = v;
       }
   }
-  __syncthreads();
+  named_barrier_sync(kRsConsumerBarrier, kThreads);
   JKM_PHASE_AT(5);
   if (in_cluster) {
     merge_cluster_splits(a, w.b, w.row0, staging, reinterpret_cast<const float*>(smem + L::kLse),
@@ -661,7 +691,7 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
 // ptxas hoist the loop's invariants and spill).
 // The tensor maps are plain fp8's (zero for fp8_ds_mla).
 template <CacheFormat kFormat>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kRsThreads, 1)
     rs_attention_kernel(const DecodeAttention a, const __grid_constant__ TileMaps maps) {
   extern __shared__ __align__(1024) uint8_t smem[];
   JKM_PHASE_AT(0);

@@ -135,6 +135,15 @@ __device__ __forceinline__ void wgmma_wait() {
   SM90A_ASM("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
 
+// setmaxnreg: this warpgroup's registers a thread raised (waiting until the CTA's pool has them) or
+// lowered to kRegisters; every thread of the warpgroup executes it.
+template <int kRegisters, bool kRaise>
+__device__ __forceinline__ void set_max_registers() {
+  static_assert(kRegisters % 8 == 0 && kRegisters >= 24 && kRegisters <= 256, "setmaxnreg's range");
+  if constexpr (kRaise) SM90A_ASM("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+  else SM90A_ASM("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+
 // The warp index through a shuffle: ptxas then knows it is warp-uniform and does not serialize
 // the wgmmas behind a branch on it ("C7520 ... WG.AR in divergent path").
 __device__ __forceinline__ int uniform_warp_index() { return __shfl_sync(0xFFFFFFFFu, int(threadIdx.x) / 32, 0); }
