@@ -84,11 +84,14 @@
 //    sm_90): 64 rows a CTA on wgmma, the query tile resident in shared memory, so that a tile is
 //    read and multiplied once per 64 heads instead of 16 (its section below).
 // 1d. rs_attention_kernel (the default for fp8_ds_mla, and for the plain fp8 cache under an E4M3
-//    query, at S_q = 1 on sm_90 from 4 tiles a split): the tokens as M of wgmma, two warpgroups on
-//    alternate tiles (its section below); fp8_ds_mla's A operand converted in registers by each
-//    consumer thread, plain fp8's S^T on E4M3 operands from shared memory (its tiles by tensor-map
-//    boxes). H200, B 64 x 16k: fp8_ds_mla 205 us (79%), plain fp8 187 us (76%). With 2-8 splits, a
-//    sequence's splits are one thread block cluster and merge there (no combine).
+//    query, at S_q = 1 on sm_90 from 4 tiles a split): the tokens as M of wgmma, two consumer
+//    warpgroups on alternate tiles and a producer warpgroup that looks up and issues them (384
+//    threads, registers moved to the consumers by setmaxnreg; its section below); fp8_ds_mla's A
+//    operand converted in registers by each consumer thread, plain fp8's S^T on E4M3 operands from
+//    shared memory (its tiles by tensor-map boxes). H200, B 64 x 16k, before the producer: fp8_ds_mla
+//    205 us (79%), plain fp8 187 us (76%); its loop from L2 then got 17-22% faster on an H100
+//    (docs/DECODE_ATTENTION.md, Twenty-sixth round). With 2-8 splits, a sequence's splits are one
+//    thread block cluster and merge there (no combine).
 // 2. combine_kernel (num_splits > 1, unless merged in a cluster), one CTA per (row, sequence),
 //    16 warps when the rows are fewer than twice the SMs (a row's splits loaded in one round; a
 //    row's columns in 2 or 4 CTAs where the SMs outnumber the rows that much), else 4: the live
