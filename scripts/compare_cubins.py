@@ -34,6 +34,9 @@ from elftools.elf.elffile import ELFFile
 from elftools.elf.relocation import RelocationSection
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # nvcc_flags, beside this script
+from nvcc_flags import cubin_command  # noqa: E402
+
 # nvcc names an anonymous namespace after the file and a hash of it: strip the name and its length.
 ANON = re.compile(r"\d+_GLOBAL__N__[0-9a-f]+_\d+_\w+?_cu_[0-9a-f]{8}")
 # .nv.info attributes whose payload starts with a symbol index: PARAM_CBANK, FRAME_SIZE,
@@ -137,12 +140,7 @@ def compare(before: Path, after: Path) -> tuple[list[str], list[str], list[str],
 
 def compile_cubin(tree: Path, relative: Path, arch: str, defines: list[str], out: Path) -> None:
     """tree / relative compiled as CMake compiles the extension, with tree's headers."""
-    import jax.ffi
-
-    cmd = ["nvcc", "-std=c++17", "-O3", f"-arch={arch}", "-cubin", "-o", str(out), str(tree / relative),
-           "-I", str(tree / "ffi" / "include"), "-I", str(tree / "ffi" / "cuda"), "-I", jax.ffi.include_dir(),
-           "-diag-suppress", "940,2473,177,550", *(f"-D{d}" for d in defines)]
-    subprocess.run(cmd, check=True)
+    subprocess.run(cubin_command(tree, tree / relative, arch, defines, out), check=True)
 
 
 def report(label: str, result: tuple) -> bool:

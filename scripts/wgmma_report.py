@@ -32,6 +32,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # nvcc_flags, beside this script
+from nvcc_flags import cubin_command  # noqa: E402
+
 ENTRY = re.compile(r"Compiling entry function '(\w+)' for 'sm_90a'")
 SERIALIZED = re.compile(r"\((C75\d\d)\) Potential Performance Loss: (.*?) in the function '(\w+)'")
 REGISTERS = re.compile(r"Used (\d+) registers")
@@ -58,12 +61,8 @@ def readable_names(mangled: list[str]) -> dict[str, str]:
 
 def compile_report(source: Path, defines: list[str], cubin: Path) -> dict[str, dict]:
     """nvcc with ptxas -v: per kernel, its registers, spill bytes and serialization messages."""
-    import jax.ffi
-
     tree = next((p for p in source.parents if (p / "ffi" / "include").is_dir()), ROOT)  # a worktree's own headers
-    cmd = ["nvcc", "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-o", str(cubin),
-           "-I", str(tree / "ffi" / "include"), "-I", jax.ffi.include_dir(), "-Xptxas", "-v",
-           "-diag-suppress", "940,2473,177,550", *(f"-D{d}" for d in defines), str(source)]
+    cmd = cubin_command(tree, source, "sm_90a", defines, cubin, extra=("-Xptxas", "-v"))
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode != 0:
         raise SystemExit(f"nvcc failed:\n{run.stderr[-4000:]}")
@@ -130,8 +129,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernels.cubin"
         kernels = compile_report(Path(opts.source).resolve(), defines, cubin)
-        listed = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()
-        print(f"{Path(opts.source).resolve()}, sm_90a, {listed[-1] if listed else 'nvcc'}")
+        version = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+        print(f"{Path(opts.source).resolve()}, sm_90a, {version[-1] if version else 'nvcc'}")
         names = readable_names(list(kernels))
         for mangled, k in sorted(kernels.items(), key=lambda kv: names[kv[0]]):
             name = names[mangled]
