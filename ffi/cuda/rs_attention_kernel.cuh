@@ -16,8 +16,8 @@ namespace {
 // serves one consumer warpgroup), each with its own softmax state; the two states merge at the end
 // as two splits would. The producer (produce_rs_tiles) looks up each tile's rows and issues it into
 // its stage once the consumer warpgroup has read the stage's previous tile (its empty barrier).
-// Setmaxnreg moves registers from the producer to the consumers, which need about 190-210: with
-// the launch's 168 a thread they would spill. (Until the Twenty-sixth round two warpgroups of 256
+// Setmaxnreg moves registers from the producer to the consumers, which need about 190-226 (226 /
+// 220 on 256 threads): with the launch's 168 a thread they would spill. (Until the Twenty-sixth round two warpgroups of 256
 // threads looked up and issued the tiles themselves; wgmma being a warpgroup's, a warp busy
 // issuing held up its warpgroup's next MMA: docs/DECODE_ATTENTION.md, Twenty-fifth round.)
 // Per tile, a warpgroup (warp w, g = lane / 4, c = lane % 4):
@@ -66,8 +66,8 @@ constexpr int kRsGroups = 2;                              // the consumer warpgr
 constexpr int kRsThreads = (kRsGroups + 1) * 128;         // and the producer warpgroup (group 2)
 // setmaxnreg: the launch gives every thread kRsLaunchRegisters; the producer warpgroup gives some
 // back and the two consumer warpgroups take exactly those (the pool holds only what was given back).
-// Plain fp8's producer issues boxes (72 registers without spills), fp8_ds_mla's bulk copies (40);
-// its consumers then have 232 (at 216 ptxas spills).
+// Plain fp8's producer issues boxes (72 registers without spills), its consumers then have 216;
+// fp8_ds_mla's issues bulk copies (40), its consumers have 232 (at 216 ptxas spills).
 constexpr int kRsLaunchRegisters = 65536 / kRsThreads / 8 * 8;  // 168
 template <CacheFormat kFormat>
 constexpr int kRsProducerRegisters = kFormat == CacheFormat::kFp8 ? 72 : 40;
