@@ -494,6 +494,24 @@ def test_cuda_rs_splits_merged_in_a_cluster(fmt, q_dtype, kernel, num_splits, he
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("num_splits", (1, 3))
+@pytest.mark.parametrize("fmt,q_dtype,kernel", (("bf16", "bfloat16", "mma"), ("bf16", "bfloat16", "wide"),
+                                                 ("fp8", "float8_e4m3fn", "auto"), ("fp8_ds_mla", "bfloat16", "auto")))
+def test_cuda_more_sequences_than_grid_z(fmt, q_dtype, kernel, num_splits):
+    """B = 65535 + 45: attention_kernel, wide_attention_kernel and fp8_attention_kernel (the kernels
+    of such a batch) take the sequences past grid z's 65535 as a second wave of splits in grid x,
+    and combine_kernel loops over them. The batch repeats 40 sequences; every row of it is checked
+    against the reference of those 40 (poisoned first)."""
+    args, kw = make_case(fmt, q_dtype, lens=(0, 1, 63, 64, 65, 7, 200, 130) * 5, heads=4, block_size=64, seed=30)
+    kw = dict(kw, num_splits=num_splits, kernel=kernel)
+    small_out, small_lse = run(reference.mla_decode_attention, args, kw, "cpu")
+    B = 65535 + 45
+    pick = np.arange(B) % len(args["context_lens"])
+    big = dict(args, mqa_q=args["mqa_q"][pick], block_tables=args["block_tables"][pick], context_lens=args["context_lens"][pick])
+    assert_close(fmt, q_dtype, poisoned_run(big, kw, "cuda"), (small_out[pick], small_lse[pick]))
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("fmt,q_dtype", (("bf16", "bfloat16"), ("fp8_ds_mla", "bfloat16")))
 def test_cuda_combine_of_many_rows(fmt, q_dtype):
     """B x S_q x H = 384 rows, more than twice the SMs of the GPUs the kernel runs on: the

@@ -6,9 +6,10 @@
 namespace jax_kimi_mla {
 namespace {
 
-// One CTA's work for sequence b. Block-uniform control flow throughout (barriers inside).
+// One CTA's work: split `split` of sequence b. Block-uniform control flow throughout (barriers
+// inside).
 template <CacheFormat kFormat, ActType kElem>
-__device__ void attend(const DecodeAttention& a, const TileMaps& maps, int64_t b, const Scales& scales,
+__device__ void attend(const DecodeAttention& a, const TileMaps& maps, int64_t b, int split, const Scales& scales,
                        uint8_t* smem) {
   using L = Layout<kFormat>;
   using V = VTile<L::kSwizzled, L::kVRowBytes>;
@@ -19,7 +20,7 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, int64_t b
   const int64_t last_row = min64(row0 + kTileRows, rows) - 1;
   const int64_t seen_by_all = a.row_visible_len(len, row0);
   const int64_t seen_by_any = a.row_visible_len(len, last_row);
-  const Work w = split_work(a, b, row0, blockIdx.x, len, seen_by_any);
+  const Work w = split_work(a, b, row0, split, len, seen_by_any);
   if (a.num_splits > 1 && w.first >= len) return;  // not a live split: the combine skips it
 
   Lane t;
@@ -59,7 +60,6 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, int64_t b
 
   // The prologue: the query's loads in flight with the lookups, the first copies issued before
   // the query tile is written (they land elsewhere).
-  __syncthreads();  // this CTA's previous sequence is done with the shared memory
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) mbarrier_init(stage_full + s, L::kSwizzled ? 32 : kTileTokens);
     mbarrier_init_fence();
@@ -181,8 +181,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   JKM_PHASE_AT(0);
   let_dependent_launch_start();
   if constexpr (Layout<kFormat>::kSwizzled) prefetch_tile_maps(maps);
-  const Scales scales = load_scales<kFormat>(a);
-  for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) attend<kFormat, kElem>(a, maps, b, scales, smem);
+  const int64_t b = cta_sequence(a);
+  if (b < a.batch) attend<kFormat, kElem>(a, maps, b, cta_split(a), load_scales<kFormat>(a), smem);
   JKM_PHASE_AT(6);
 }
 

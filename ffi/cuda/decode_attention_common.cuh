@@ -426,6 +426,16 @@ __device__ __forceinline__ Work split_work(const DecodeAttention& a, int64_t b, 
   return w;
 }
 
+// The sequence and split of a CTA of attention_kernel, fp8_attention_kernel and
+// wide_attention_kernel: grid x holds the splits of each wave of gridDim.z sequences (more than
+// one wave only past 65535 sequences), so that a CTA takes one (sequence, split) with no loop over
+// sequences (ptxas kept such a loop's invariants in registers through the whole body, and
+// spilled). b >= B: nothing to do.
+__device__ __forceinline__ int64_t cta_sequence(const DecodeAttention& a) {
+  return int64_t(blockIdx.x / unsigned(a.num_splits)) * gridDim.z + blockIdx.z;
+}
+__device__ __forceinline__ int cta_split(const DecodeAttention& a) { return int(blockIdx.x % unsigned(a.num_splits)); }
+
 // The cache row of token `token` of tile `tile`, or -1: masked, past the loaded range, or no such
 // tile.
 __device__ __forceinline__ int64_t tile_token_row(const DecodeAttention& a, const Work& w, int64_t tile,

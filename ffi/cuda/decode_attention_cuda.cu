@@ -8,9 +8,9 @@
 // fp8_attention_kernel.cuh (1b), wide_attention_kernel.cuh (1c), rs_attention_kernel.cuh (1d)
 // and combine_kernel.cuh (2).
 //
-// 1. attention_kernel, grid (num_splits, ceil(S_q*H / 16), B folded into grid z), sm_90+. A CTA
-//    of 8 warps takes 16 query rows of one sequence (rows past S_q*H are zero padding, never
-//    stored) and the tokens of its split, in 64-token tiles:
+// 1. attention_kernel, grid (num_splits x waves of 65535 sequences, ceil(S_q*H / 16), B up to
+//    65535), sm_90+. A CTA of 8 warps takes 16 query rows of one sequence (rows past S_q*H are
+//    zero padding, never stored) and the tokens of its split, in 64-token tiles:
 //    - The 16 x 576 query tile goes to shared memory once, in the MMA element type (bf16, or f16
 //      when q and the cache values are all exact in f16: f16 q over an f16 or plain fp8 cache, and
 //      E4M3 q, which always comes with the plain fp8 cache; E4M3 q codes become exact values),
@@ -368,9 +368,12 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a, const DecodeLaunch
   const int64_t row_groups = (rows + rows_per_cta - 1) / rows_per_cta;
   if (row_groups > kMaxGridYZ)
     return invalid_argument(kDecodeAttentionTarget, "too many query rows (S_q * H)");
-  // Grid z (y for the combine) holds at most 65535 sequences; the kernels loop over the rest.
+  // Grid z (y for the combine) holds at most 65535 sequences: the attention kernels take the rest as
+  // further waves of splits in grid x (cta_sequence; rs_attention_kernel is not taken past 65535),
+  // the combine loops over them.
   const unsigned batch_blocks = unsigned(a.batch < kMaxGridYZ ? a.batch : kMaxGridYZ);
-  const dim3 grid(unsigned(a.num_splits), unsigned(row_groups), batch_blocks);
+  const int64_t sequence_waves = (a.batch + batch_blocks - 1) / batch_blocks;
+  const dim3 grid(unsigned(a.num_splits * sequence_waves), unsigned(row_groups), batch_blocks);
   const bool f16 = mma_type(a) == ActType::kF16;
   ffi::Error err = ffi::Error::Success();
   bool merged_in_cluster = false;  // the splits merged in the attention kernel: no combine

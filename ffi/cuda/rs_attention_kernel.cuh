@@ -687,8 +687,7 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
   }
 }
 
-// One sequence a CTA (grid z = B <= 65535: a loop over sequences, as the other kernels have, makes
-// ptxas hoist the loop's invariants and spill).
+// One sequence a CTA: grid (splits, row groups, B <= 65535).
 // The tensor maps are plain fp8's (zero for fp8_ds_mla).
 template <CacheFormat kFormat>
 __global__ void __launch_bounds__(kRsThreads, 1)

@@ -60,12 +60,12 @@ struct WideLayout {
 };
 
 template <ActType kElem>
-__device__ void attend_wide(const DecodeAttention& a, const TileMaps& maps, int64_t b, const Scales& scales,
-                            uint8_t* smem) {
+__device__ void attend_wide(const DecodeAttention& a, const TileMaps& maps, int64_t b, int split,
+                            const Scales& scales, uint8_t* smem) {
   using L = WideLayout;
   constexpr bool kF16 = kElem == ActType::kF16;
   const int64_t rows = a.rows(), len = a.context_len(b);
-  const Work w = split_work(a, b, int64_t(blockIdx.y) * kWideRows, blockIdx.x, len, len);
+  const Work w = split_work(a, b, int64_t(blockIdx.y) * kWideRows, split, len, len);
   if (a.num_splits > 1 && w.first >= len) return;  // not a live split: the combine skips it
 
   const int warp = uniform_warp_index(), lane = int(threadIdx.x) % 32;
@@ -84,7 +84,6 @@ __device__ void attend_wide(const DecodeAttention& a, const TileMaps& maps, int6
     if (warp == 0) issue_swizzled_tile(a, maps, tile_rows + s * kTileTokens, stage(s), stage_full + s, zero_rows + s);
   };
 
-  __syncthreads();  // this CTA's previous sequence is done with the shared memory
   if (threadIdx.x == 0) {
     for (int s = 0; s < 2; ++s) mbarrier_init(stage_full + s, 32);
     mbarrier_init_fence();
@@ -259,8 +258,8 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   extern __shared__ __align__(1024) uint8_t smem[];
   let_dependent_launch_start();
   prefetch_tile_maps(maps);
-  const Scales scales = load_scales<CacheFormat::kBf16>(a);
-  for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) attend_wide<kElem>(a, maps, b, scales, smem);
+  const int64_t b = cta_sequence(a);
+  if (b < a.batch) attend_wide<kElem>(a, maps, b, cta_split(a), load_scales<CacheFormat::kBf16>(a), smem);
 }
 
 }  // namespace
