@@ -343,7 +343,6 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
   const int tid = int(threadIdx.x), warp = uniform_warp_index(), lane = tid % 32;
   const int group = warp / 4, wq = warp % 4, g = lane / 4, c = lane % 4, gtid = tid % 128;
 
-  __syncthreads();  // this CTA's previous sequence is done with the shared memory
   if (tid == 0) {
     for (int s = 0; s < kRsStages; ++s) mbarrier_init(full + s, kFp8 ? 32 : kTileTokens), mbarrier_init(empty + s, 128);
     mbarrier_init_fence();
