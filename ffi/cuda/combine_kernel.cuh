@@ -41,10 +41,11 @@ __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const Decod
 #pragma unroll
       for (int i = 0; i < kCombineRound; ++i) {
         const int s = first + i * kCombineWarps;
-        lse[i] = s < a.num_splits ? *a.partial_lse(s, b, r) : -INFINITY;
-        const float4* part = reinterpret_cast<const float4*>(a.partial(s < a.num_splits ? s : first, b, r) + first_column);
+        const bool exists = s < a.num_splits;  // uniform: no load for a slot past the last split
+        lse[i] = exists ? *a.partial_lse(s, b, r) : -INFINITY;
+        const float4* part = reinterpret_cast<const float4*>(a.partial(exists ? s : 0, b, r) + first_column);
 #pragma unroll
-        for (int k = 0; k < kLaneChunks; ++k) o[i][k] = part[32 * k + lane];
+        for (int k = 0; k < kLaneChunks; ++k) o[i][k] = exists ? part[32 * k + lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
       const int live = a.live_splits(len);
 #pragma unroll
