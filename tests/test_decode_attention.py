@@ -513,11 +513,11 @@ def test_cuda_more_sequences_than_grid_z(fmt, q_dtype, kernel, num_splits):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt,q_dtype", (("bf16", "bfloat16"), ("fp8_ds_mla", "bfloat16")))
-@pytest.mark.parametrize("q_tokens,num_splits", ((1, 11), (2, 5)), ids=("rows192", "rows384"))
+@pytest.mark.parametrize("q_tokens,num_splits", ((1, 11), (2, 5), (4, 3)), ids=("rows192", "rows384", "rows768"))
 def test_cuda_combine_of_many_rows(fmt, q_dtype, q_tokens, num_splits):
-    """B x S_q x H = 192 and 384 rows, more than the SMs of the GPUs the kernel runs on (132 on an
-    H100/H200): the combine's 8-warp CTAs (two a SM; 11 splits, so a warp merges two) and its
-    4-warp ones (the other tests take its 16-warp ones)."""
+    """B x S_q x H = 192, 384 and 768 rows, more than the SMs of the GPUs the kernel runs on (132 on
+    an H100/H200): the combine's 8-warp CTAs (two a SM; 11 splits, so a warp merges two), its 4-warp
+    ones (four a SM) and its 2-warp ones (the other tests take its 16-warp ones)."""
     lens = (0, 1, 63, 64, 65, 300, 511, 2, 129, 200, 77, 400)
     args, kw = make_case(fmt, q_dtype, lens=lens, q_tokens=q_tokens, heads=16, block_size=32, seed=11)
     want = run(reference.mla_decode_attention, args, kw, "cpu")

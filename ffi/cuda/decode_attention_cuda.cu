@@ -406,9 +406,10 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a, const DecodeLaunch
     // Few rows (small B): 16 warps a row, so that a row's splits are loaded in one round, and
     // where the SMs outnumber the rows, a row's columns in 2 or 4 CTAs, so that more SMs load
     // them (H200, H 12, context 4096: B = 1 -0.5 us, and at B = 8 and 16 four parts were
-    // 1-2 us slower than one); more rows: the most warps a row (16, 8, 4) whose CTAs are all
-    // resident at once. (16 warps of 118 registers fit once an SM: H 12, B 16's 192 CTAs ran as
-    // two waves, 5.4 us on an H100; docs/DECODE_ATTENTION.md, Twenty-eighth round.)
+    // 1-2 us slower than one); more rows: the most warps a row (16, 8, 4, else 2) whose CTAs are
+    // all resident at once. (16 warps of 118 registers fit once an SM: H 12, B 16's 192 CTAs ran
+    // as two waves, 5.4 us on an H100; fewer warps than fit were no faster: docs/DECODE_ATTENTION.md,
+    // Twenty-eighth round.)
     int sm_count = 0;
     cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
     const int64_t ctas = rows * batch_blocks;
@@ -428,8 +429,10 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a, const DecodeLaunch
       combine_err = launch_combine<16, 1>(stream, a, row_grid, programmatic);
     else if (one_wave(combine_kernel<8, 1>, 32 * 8))
       combine_err = launch_combine<8, 1>(stream, a, row_grid, programmatic);
-    else
+    else if (one_wave(combine_kernel<4, 1>, 32 * 4))
       combine_err = launch_combine<4, 1>(stream, a, row_grid, programmatic);
+    else
+      combine_err = launch_combine<2, 1>(stream, a, row_grid, programmatic);
     if (combine_err != cudaSuccess) return cuda_error("launching combine_kernel", combine_err);
   }
   const cudaError_t launch_err = cudaGetLastError();
