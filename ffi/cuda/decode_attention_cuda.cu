@@ -355,6 +355,26 @@ cudaError_t launch_combine(cudaStream_t stream, const DecodeAttention& a, dim3 r
   return cudaLaunchKernelEx(&config, combine_kernel<kCombineWarps, kColumnParts>, a);
 }
 
+// How many CTAs of combine_kernel<kWarps, 1> an SM holds at once (0 where the query fails), asked
+// once per device, as rs_splits_fit_a_cluster asks its clusters.
+template <int kWarps>
+int64_t combine_ctas_per_sm(int device) {
+  if (device < 0 || device >= 64) return 0;
+  static std::atomic<int> resident[64] = {};  // the count + 1: 0 is not asked yet
+  int known = resident[device].load(std::memory_order_relaxed);
+  if (known == 0) {
+    int per_sm = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, combine_kernel<kWarps, 1>, 32 * kWarps, 0) !=
+        cudaSuccess) {
+      cudaGetLastError();  // not an error of the call: it takes a smaller form
+      per_sm = 0;
+    }
+    known = per_sm + 1;
+    resident[device].store(known, std::memory_order_relaxed);
+  }
+  return known - 1;
+}
+
 ffi::Error run(cudaStream_t stream, const DecodeAttention& a, const DecodeLaunch& launch) {
   int device = 0, major = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
@@ -415,21 +435,16 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a, const DecodeLaunch
     const int64_t ctas = rows * batch_blocks;
     const bool programmatic = launch.programmatic_combine;
     const dim3 row_grid(unsigned(rows), batch_blocks);
-    const auto one_wave = [&](auto kernel, int threads) {
-      int per_sm = 0;
-      return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0) == cudaSuccess &&
-             ctas <= int64_t(per_sm) * sm_count;
-    };
     cudaError_t combine_err;
     if (4 * ctas <= sm_count)
       combine_err = launch_combine<16, 4>(stream, a, row_grid, programmatic);
     else if (2 * ctas <= sm_count)
       combine_err = launch_combine<16, 2>(stream, a, row_grid, programmatic);
-    else if (one_wave(combine_kernel<16, 1>, 32 * 16))
+    else if (ctas <= combine_ctas_per_sm<16>(device) * sm_count)
       combine_err = launch_combine<16, 1>(stream, a, row_grid, programmatic);
-    else if (one_wave(combine_kernel<8, 1>, 32 * 8))
+    else if (ctas <= combine_ctas_per_sm<8>(device) * sm_count)
       combine_err = launch_combine<8, 1>(stream, a, row_grid, programmatic);
-    else if (one_wave(combine_kernel<4, 1>, 32 * 4))
+    else if (ctas <= combine_ctas_per_sm<4>(device) * sm_count)
       combine_err = launch_combine<4, 1>(stream, a, row_grid, programmatic);
     else
       combine_err = launch_combine<2, 1>(stream, a, row_grid, programmatic);
