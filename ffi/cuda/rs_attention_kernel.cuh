@@ -137,11 +137,10 @@ struct RsLayout {
   static constexpr int kLse = kStats + (int(sizeof(QPrescale)) + 15) / 16 * 16; // float [16]: a cluster's rows
   static constexpr int kRows = kLse + kTileRows * 4;                            // int64 [stage][64] (plain fp8)
   static constexpr int kBytes = kRows + (kFp8 ? kRsStages * kTileTokens * 8 : 0);
-  // At the end, over the stages: the staged output rows, and warpgroup 1's out; over the P tiles,
-  // a cluster merge's weights.
-  static constexpr int kExchange = kStageBytes;
+  // At the end, over the stages: the staged output rows in stage 0, each warpgroup's half of out for
+  // the other in stage 2 + group; over the P tiles, a cluster merge's weights.
   static_assert(kStageBytes % 1024 == 0 && kQ % 1024 == 0 && kQpe % 512 == 0 && kP % 1024 == 0 && kRows % 16 == 0);
-  static_assert(kTileRows * kStagingStride * 4 <= kExchange && kExchange + 64 * 128 * 4 <= kQ);
+  static_assert(kTileRows * kStagingStride * 4 <= kStageBytes && 4 * 2 * 128 * 16 <= kStageBytes && kRsStages >= 4);
   static_assert(kBytes <= 232448, "more than sm_90's 227 KB of shared memory per block");
 };
 
@@ -616,7 +615,14 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
   wgmma_wait<0>();
   JKM_PHASE_AT(4);
 
-  // The warpgroups' states meet: each its sums per row, warpgroup 1 its out; warpgroup 0 merges.
+  // The warpgroups' states meet, each warpgroup merging half of out (blocks 4 group .. 4 group + 3)
+  // into the staged rows: each publishes its sums per row and its reference, and hands the other
+  // half of its out to the other warpgroup through a stage of its own (stage 2 + group: its tiles
+  // were in stages group and 2 + group, all read by now, while the other warpgroup may still read
+  // its last tile; the staged rows go to stage 0 after the barrier). Each row's weights are worked
+  // out once, by lane row % 16 of every warp, and shuffled to the lanes that hold the row: done per
+  // thread for four rows by one warpgroup, this merge was about 1000 dependent instructions, the
+  // 3.8 us after the loop (docs/DECODE_ATTENTION.md, Twenty-ninth round).
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     float v = st.sum[k];
@@ -626,49 +632,67 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
     if (g == 0) max_mine[wq * kTileRows + rs_row(k, c)] = v;  // now the warps' sums
     if (wq == 0 && g == 0) reinterpret_cast<float*>(smem + L::kRef)[group * kTileRows + rs_row(k, c)] = st.ref[k];
   }
-  float* exchange = reinterpret_cast<float*>(raw + L::kExchange);  // [64][128 threads]
-  if (group == 1)
+  const int other = 1 - group;
+  float4* handed = reinterpret_cast<float4*>(stage(2 + group));  // [block j][half][128 threads]
 #pragma unroll
-    for (int mb = 0; mb < 8; ++mb)
+  for (int j = 0; j < 4; ++j) {
+    float o[8];  // block 4 other + j, selected: registers take constant indices only
 #pragma unroll
-      for (int x = 0; x < 8; ++x) exchange[(8 * mb + x) * 128 + gtid] = st.o[mb][x];
+    for (int x = 0; x < 8; ++x) o[x] = group == 0 ? st.o[4 + j][x] : st.o[j][x];
+    handed[(2 * j) * 128 + gtid] = make_float4(o[0], o[1], o[2], o[3]);
+    handed[(2 * j + 1) * 128 + gtid] = make_float4(o[4], o[5], o[6], o[7]);
+  }
   named_barrier_sync(kRsConsumerBarrier, kThreads);
   float* staging = reinterpret_cast<float*>(raw);
   const int64_t rows = a.rows();
-  if (group == 0) {
+  float mine_factor[4], other_factor[4], norm[4];
+  {
+    const int n = lane % kTileRows;
     const float* sums = reinterpret_cast<const float*>(smem + L::kMax);
     const float* refs = reinterpret_cast<const float*>(smem + L::kRef);
-    float f0[4], f1[4], norm[4];
+    const float m0 = refs[n], m1 = refs[kTileRows + n], m = fmaxf(m0, m1);
+    const float f0 = m0 == -INFINITY ? 0.0f : exp2f(m0 - m), f1 = m1 == -INFINITY ? 0.0f : exp2f(m1 - m);
+    float l[2];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int n = rs_row(k, c);
-      const float m0 = refs[n], m1 = refs[kTileRows + n], m = fmaxf(m0, m1);
-      f0[k] = m0 == -INFINITY ? 0.0f : exp2f(m0 - m);
-      f1[k] = m1 == -INFINITY ? 0.0f : exp2f(m1 - m);
-      float l[2];
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        const float* s = sums + q * 4 * kTileRows;
-        l[q] = s[n] + s[kTileRows + n] + s[2 * kTileRows + n] + s[3 * kTileRows + n];
-      }
-      const float sum = f0[k] * l[0] + f1[k] * l[1];
-      const bool empty_row = sum == 0.0f;  // saw no visible unmasked token; a NaN sum is not empty
-      norm[k] = empty_row ? 0.0f : scales.out / sum;
-      const int64_t r = w.row0 + n;
-      if (wq == 0 && g == 0 && r < rows) {
-        const float lse = empty_row ? -INFINITY : (m + log2f(sum)) * kLn2;
-        if (in_cluster) reinterpret_cast<float*>(smem + L::kLse)[n] = lse;
-        else store_lse(a, w, r, lse);
-      }
+    for (int q = 0; q < 2; ++q) {
+      const float* s = sums + q * 4 * kTileRows;
+      l[q] = s[n] + s[kTileRows + n] + s[2 * kTileRows + n] + s[3 * kTileRows + n];
+    }
+    const float sum = f0 * l[0] + f1 * l[1];
+    const bool empty_row = sum == 0.0f;  // saw no visible unmasked token; a NaN sum is not empty
+    const float row_norm = empty_row ? 0.0f : scales.out / sum;
+    const int64_t r = w.row0 + n;
+    if (group == 0 && wq == 0 && lane < kTileRows && r < rows) {
+      const float lse = empty_row ? -INFINITY : (m + log2f(sum)) * kLn2;
+      if (in_cluster) reinterpret_cast<float*>(smem + L::kLse)[n] = lse;
+      else store_lse(a, w, r, lse);
     }
 #pragma unroll
-    for (int mb = 0; mb < 8; ++mb)
+    for (int k = 0; k < 4; ++k) {
+      const int row = rs_row(k, c);
+      const float g0 = __shfl_sync(0xFFFFFFFFu, f0, row), g1 = __shfl_sync(0xFFFFFFFFu, f1, row);
+      mine_factor[k] = group == 0 ? g0 : g1, other_factor[k] = group == 0 ? g1 : g0;
+      norm[k] = __shfl_sync(0xFFFFFFFFu, row_norm, row);
+    }
+  }
+  const float4* theirs = reinterpret_cast<const float4*>(stage(2 + other));
 #pragma unroll
-      for (int x = 0; x < 8; ++x) {
-        const int h = (x >> 1) & 1, k = 2 * (x >> 2) + (x & 1);
-        const float v = norm[k] == 0.0f ? 0.0f : (f0[k] * st.o[mb][x] + f1[k] * exchange[(8 * mb + x) * 128 + gtid]) * norm[k];
-        staging[rs_row(k, c) * kStagingStride + rs_column(mb, wq, g, h)] = v;
+  for (int j = 0; j < 4; ++j) {
+    const int mb = 4 * group + j;
+    const float4 lo = theirs[(2 * j) * 128 + gtid], hi = theirs[(2 * j + 1) * 128 + gtid];
+    const float o_other[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    // Elements x and x + 2 are columns h = 0, 1 of one row: one 8-byte store.
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int x = (i & 1) + 4 * (i >> 1), k = 2 * (x >> 2) + (x & 1);
+      float v[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float o_mine = group == 0 ? st.o[j][x + 2 * h] : st.o[4 + j][x + 2 * h];
+        v[h] = norm[k] == 0.0f ? 0.0f : (mine_factor[k] * o_mine + other_factor[k] * o_other[x + 2 * h]) * norm[k];
       }
+      *reinterpret_cast<float2*>(staging + rs_row(k, c) * kStagingStride + rs_column(mb, wq, g, 0)) = make_float2(v[0], v[1]);
+    }
   }
   named_barrier_sync(kRsConsumerBarrier, kThreads);
   JKM_PHASE_AT(5);
