@@ -676,6 +676,10 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
     }
   }
   const float4* theirs = reinterpret_cast<const float4*>(stage(2 + other));
+  // A split's partial goes from the registers to its slot, two columns of a row a store; out (one
+  // split, 16-bit) and a cluster's merge take the staged rows.
+  const bool to_slot = !in_cluster && w.slot >= 0;
+  float* slot_rows = to_slot ? a.partial(w.slot, w.b, w.row0) : nullptr;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int mb = 4 * group + j;
@@ -691,8 +695,14 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
         const float o_mine = group == 0 ? st.o[j][x + 2 * h] : st.o[4 + j][x + 2 * h];
         v[h] = norm[k] == 0.0f ? 0.0f : (mine_factor[k] * o_mine + other_factor[k] * o_other[x + 2 * h]) * norm[k];
       }
-      *reinterpret_cast<float2*>(staging + rs_row(k, c) * kStagingStride + rs_column(mb, wq, g, 0)) = make_float2(v[0], v[1]);
+      const int row = rs_row(k, c), col = rs_column(mb, wq, g, 0);
+      if (!to_slot) *reinterpret_cast<float2*>(staging + row * kStagingStride + col) = make_float2(v[0], v[1]);
+      else if (w.row0 + row < rows) *reinterpret_cast<float2*>(slot_rows + row * kLatent + col) = make_float2(v[0], v[1]);
     }
+  }
+  if (to_slot) {
+    JKM_PHASE_AT(5);
+    return;
   }
   named_barrier_sync(kRsConsumerBarrier, kThreads);
   JKM_PHASE_AT(5);
