@@ -616,7 +616,7 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
   JKM_PHASE_AT(4);
 
   // The warpgroups' states meet, each warpgroup merging half of out (blocks 4 group .. 4 group + 3)
-  // into the staged rows: each publishes its sums per row and its reference, and hands the other
+  // into the staged rows or the split's partial slot: each publishes its sums per row and its reference, and hands the other
   // half of its out to the other warpgroup through a stage of its own (stage 2 + group: its tiles
   // were in stages group and 2 + group, all read by now, while the other warpgroup may still read
   // its last tile; the staged rows go to stage 0 after the barrier). Each row's weights are worked
