@@ -14,4 +14,4 @@ def cubin_command(tree: Path, source: Path, arch: str, defines: list[str], out: 
 
     return ["nvcc", "-std=c++17", "-O3", f"-arch={arch}", "-cubin", "-o", str(out), str(source),
             "-I", str(tree / "ffi" / "include"), "-I", str(tree / "ffi" / "cuda"), "-I", jax.ffi.include_dir(),
-            "-diag-suppress", SUPPRESSED, *extra, *(f"-D{d}" for d in defines)]
+            "-diag-suppress", SUPPRESSED, "-diag-error", "20013,20015", *extra, *(f"-D{d}" for d in defines)]
