@@ -616,13 +616,14 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
   JKM_PHASE_AT(4);
 
   // The warpgroups' states meet, each warpgroup merging half of out (blocks 4 group .. 4 group + 3)
-  // into the staged rows or the split's partial slot: each publishes its sums per row and its reference, and hands the other
-  // half of its out to the other warpgroup through a stage of its own (stage 2 + group: its tiles
-  // were in stages group and 2 + group, all read by now, while the other warpgroup may still read
-  // its last tile; the staged rows go to stage 0 after the barrier). Each row's weights are worked
-  // out once, by lane row % 16 of every warp, and shuffled to the lanes that hold the row: done per
-  // thread for four rows by one warpgroup, this merge was about 1000 dependent instructions, the
-  // 3.8 us after the loop (docs/DECODE_ATTENTION.md, Twenty-ninth round).
+  // into the staged rows or the split's partial slot: each publishes its sums per row and its
+  // reference, and hands the other half of its out to the other warpgroup through a stage of its
+  // own (stage 2 + group: its tiles were in stages group and 2 + group, all read by now, while the
+  // other warpgroup may still read its last tile; the staged rows go to stage 0 after the
+  // barrier). Each row's weights are worked out once, by lane row % 16 of every warp, and shuffled
+  // to the lanes that hold the row: done per thread for four rows by one warpgroup, this merge was
+  // about 1000 dependent instructions, the 3.8 us after the loop (docs/DECODE_ATTENTION.md,
+  // Twenty-ninth round).
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     float v = st.sum[k];
