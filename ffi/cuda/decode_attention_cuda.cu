@@ -241,29 +241,40 @@ cudaLaunchConfig_t rs_launch_config(dim3 grid, cudaStream_t stream, bool cluster
   return config;
 }
 
+// A count the CUDA runtime gives per device (an occupancy query: `ask(count)` returns its
+// cudaError_t), asked once and kept in `slot` as the count + 1 (0: not asked yet). A failed query
+// counts 0, and its error is cleared: it is not the call's (the call takes another form).
+constexpr int kMaxDevices = 64;  // devices whose answers are kept
+template <class Ask>
+int asked_once(std::atomic<int>& slot, Ask ask) {
+  int known = slot.load(std::memory_order_relaxed);
+  if (known == 0) {
+    int count = 0;
+    if (ask(count) != cudaSuccess) {
+      cudaGetLastError();
+      count = 0;
+    }
+    known = count + 1;
+    slot.store(known, std::memory_order_relaxed);
+  }
+  return known - 1;
+}
+
 // Whether a call's splits (2..kMaxClusterSplits) may be clusters of rs_attention_kernel: every
 // cluster of the grid resident at once (one CTA per SM, a cluster inside one GPC), as the split
 // count's wave rule assumes. The most resident clusters are asked once per device and size.
 template <CacheFormat kFormat>
 bool rs_splits_fit_a_cluster(int device, dim3 grid) {
   const int splits = int(grid.x);
-  if (splits < 2 || splits > kMaxClusterSplits || device < 0 || device >= 64) return false;
-  static std::atomic<int> resident[64][kMaxClusterSplits + 1] = {};  // + 1: 0 is not asked yet
-  int known = resident[device][splits].load(std::memory_order_relaxed);
-  if (known == 0) {
-    int clusters = 0;
+  if (splits < 2 || splits > kMaxClusterSplits || device < 0 || device >= kMaxDevices) return false;
+  static std::atomic<int> resident[kMaxDevices][kMaxClusterSplits + 1] = {};
+  const int clusters = asked_once(resident[device][splits], [splits](int& count) {  // failed: combine_kernel
     cudaLaunchAttribute attribute;
     cudaError_t err = cudaSuccess;
     const cudaLaunchConfig_t config = rs_launch_config<kFormat>(dim3(unsigned(splits)), nullptr, true, attribute, err);
-    if (err != cudaSuccess ||
-        cudaOccupancyMaxActiveClusters(&clusters, rs_attention_kernel<kFormat>, &config) != cudaSuccess) {
-      cudaGetLastError();  // not an error of the call: it takes combine_kernel
-      clusters = 0;
-    }
-    known = clusters + 1;
-    resident[device][splits].store(known, std::memory_order_relaxed);
-  }
-  return int64_t(grid.y) * grid.z <= known - 1;
+    return err != cudaSuccess ? err : cudaOccupancyMaxActiveClusters(&count, rs_attention_kernel<kFormat>, &config);
+  });
+  return int64_t(grid.y) * grid.z <= clusters;
 }
 
 // rs_attention_kernel, its splits as one cluster (merged there, no combine_kernel) where they fit
@@ -355,24 +366,15 @@ cudaError_t launch_combine(cudaStream_t stream, const DecodeAttention& a, dim3 r
   return cudaLaunchKernelEx(&config, combine_kernel<kCombineWarps, kColumnParts>, a);
 }
 
-// How many CTAs of combine_kernel<kWarps, 1> an SM holds at once (0 where the query fails), asked
-// once per device, as rs_splits_fit_a_cluster asks its clusters.
+// How many CTAs of combine_kernel<kWarps, 1> an SM holds at once (0 where the query fails: the
+// call takes a smaller form), asked once per device.
 template <int kWarps>
 int64_t combine_ctas_per_sm(int device) {
-  if (device < 0 || device >= 64) return 0;
-  static std::atomic<int> resident[64] = {};  // the count + 1: 0 is not asked yet
-  int known = resident[device].load(std::memory_order_relaxed);
-  if (known == 0) {
-    int per_sm = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, combine_kernel<kWarps, 1>, 32 * kWarps, 0) !=
-        cudaSuccess) {
-      cudaGetLastError();  // not an error of the call: it takes a smaller form
-      per_sm = 0;
-    }
-    known = per_sm + 1;
-    resident[device].store(known, std::memory_order_relaxed);
-  }
-  return known - 1;
+  if (device < 0 || device >= kMaxDevices) return 0;
+  static std::atomic<int> resident[kMaxDevices] = {};
+  return asked_once(resident[device], [](int& count) {
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&count, combine_kernel<kWarps, 1>, 32 * kWarps, 0);
+  });
 }
 
 ffi::Error run(cudaStream_t stream, const DecodeAttention& a, const DecodeLaunch& launch) {
