@@ -216,7 +216,7 @@ def case_row(case: Case) -> dict:
 def measure_case(case: Case, sizes: Sizes, ceiling: float, matmul_tflops: float | None, seed: int, launch: dict | None = None) -> dict:
     """The case's row; an op or reference that fails leaves its columns empty and says why in error.
     ``launch``: mla_decode_attention's launch keywords for the attention cases (kernel,
-    programmatic_combine)."""
+    programmatic_combine, balance_splits)."""
     row = case_row(case)
     if case.section == "layer":
         step = jax.jit(functools.partial(layer.decode, config=layer_config(case, sizes.hidden)), donate_argnums=6)

@@ -81,6 +81,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", action="store_true", help="each attention point's kernels, timed apiece")
     parser.add_argument("--kernel", default="auto", help="mla_decode_attention's kernel= for the attention points")
     parser.add_argument("--plain-combine", action="store_true", help="programmatic_combine=False for the attention points")
+    parser.add_argument("--unbalanced", action="store_true", help="balance_splits=False for the attention points")
     parser.add_argument("--tag", default="", help="a label at the start of every line")
     parser.add_argument("--copy-bytes", type=int, default=COPY_BYTES, help="bytes of the copy that sets the ceiling")
     opts = parser.parse_args(argv)
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
     for spec in filter(None, opts.epilogue.split(",")):
         print(prefix + epilogue_point(spec, ceiling), flush=True)
     cases = [attention_case(name) for name in filter(None, opts.attention.split(","))]
-    launch = {"kernel": opts.kernel, "programmatic_combine": not opts.plain_combine}
+    launch = {"kernel": opts.kernel, "programmatic_combine": not opts.plain_combine, "balance_splits": not opts.unbalanced}
     for case in cases:
         print(prefix + attention_point(case, ceiling, launch), flush=True)
     if opts.kernels:

@@ -326,6 +326,7 @@ class AttentionCall:
     squeeze: bool  # mqa_q was [B, H, 576]: outputs drop the S_q axis
     kernel: str = "auto"
     programmatic_combine: bool = True
+    balance_splits: bool = True
 
     @property
     def out_dtype(self):
@@ -336,7 +337,11 @@ class AttentionCall:
         """The optional FFI attributes of the CUDA launch, where they differ from their defaults
         (so a default call lowers as before they existed)."""
         attrs = {} if self.kernel == "auto" else {"kernel": self.kernel}
-        return attrs if self.programmatic_combine else {**attrs, "programmatic_combine": False}
+        if not self.programmatic_combine:
+            attrs["programmatic_combine"] = False
+        if not self.balance_splits:
+            attrs["balance_splits"] = False
+        return attrs
 
 
 MAX_QUERY_TOKENS = 4  # S_q of mla_decode_attention
@@ -359,7 +364,7 @@ def reader_cache(kv_cache, fmt: CacheFormat, act, why: str):
 
 
 def decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale, ds_mla, q_scale_inv, cache_scale_inv, num_splits,
-                     return_lse, kernel="auto", programmatic_combine=True) -> AttentionCall:
+                     return_lse, kernel="auto", programmatic_combine=True, balance_splits=True) -> AttentionCall:
     """Checks an mla_decode_attention call and picks its cache format."""
     q = as_array("mqa_q", mqa_q)
     expect_dtype("mqa_q", q, (*ACT_DTYPES, FP8))
@@ -376,6 +381,7 @@ def decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale,
     if not isinstance(kernel, str) or kernel not in DECODE_KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(map(repr, DECODE_KERNELS))}, got {kernel!r}")
     static_bool("programmatic_combine", programmatic_combine)
+    static_bool("balance_splits", balance_splits)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or not 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits must be None (chosen from the sizes) or an int in [1, {MAX_SPLITS}], got {num_splits!r}")
     kv_cache = as_array("kv_cache", kv_cache)
@@ -403,6 +409,7 @@ def decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale,
         squeeze=squeeze,
         kernel=kernel,
         programmatic_combine=bool(programmatic_combine),
+        balance_splits=bool(balance_splits),
     )
 
 

@@ -309,7 +309,8 @@ def gather_inputs(fmt: str, batch: int, context: int, *, seed: int = 0) -> list:
 def attention_step(fn, fmt: str, *, return_lse: bool = False, **launch):
     """``fn`` (mla_decode_attention or its reference) jitted on attention_inputs' list
     [mqa_q, kv_cache, block_tables, context_lens, q_scale_inv, cache_scale_inv]; the split count
-    is the op's choice, and ``launch`` its other launch keywords (kernel, programmatic_combine)."""
+    is the op's choice, and ``launch`` its other launch keywords (kernel, programmatic_combine,
+    balance_splits)."""
     def call(q, cache, tables, lens, q_scale_inv, cache_scale_inv):
         return fn(q, cache, tables, lens, softmax_scale=SOFTMAX_SCALE, ds_mla=fmt == "fp8_ds_mla",
                   q_scale_inv=q_scale_inv, cache_scale_inv=cache_scale_inv, return_lse=return_lse, **launch)

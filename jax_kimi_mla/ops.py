@@ -224,6 +224,7 @@ def fused_mla_decode_q_concat_kv_cache_insert(
 # ---- the cache readers ----
 
 SPLIT_TOKENS = 64  # tokens of one split are whole 64-token tiles (DecodeAttention::kSplitTokens)
+PARTIAL_ROW_FLOATS = 4 + L + 1  # float32 scratch a partial row: its split claims (16 bytes), 512 outputs, an lse
 ROWS_PER_CTA = 16  # query rows (S_q x heads) one CUDA block of the decode kernel takes
 # ... or 64, where the 64-row wgmma kernel takes the call: a 16-bit cache at S_q = 1 with at least
 # WIDE_MIN_ROWS heads (WIDE_MIN_ROWS_BATCHED from WIDE_MIN_BATCH sequences), on an sm_90 GPU
@@ -268,7 +269,7 @@ def default_num_splits(batch: int, rows: int, max_len: int, sm_count: int, rows_
 
 def mla_decode_attention(
     mqa_q, kv_cache, block_tables, context_lens, *, softmax_scale, ds_mla=False, q_scale_inv=None, cache_scale_inv=None, return_lse=False, num_splits=None,
-    kernel="auto", programmatic_combine=True,
+    kernel="auto", programmatic_combine=True, balance_splits=True,
 ):
     """Paged MLA decode attention: the absorbed query over the latent cache, in one call.
 
@@ -290,15 +291,20 @@ def mla_decode_attention(
       return_lse: also return the log-sum-exp of the scaled scores.
       num_splits: the split-KV count of the CUDA kernel (static); None chooses it from the sizes
         and the GPU. Results do not depend on it beyond float rounding (the CPU handler ignores it).
-      kernel, programmatic_combine: for comparisons and tests (static; the CPU handler and the
-        reference check and ignore them). ``kernel`` is "auto" (the kernel that suits the call),
-        or one asked for where it applies (docs/DECODE_ATTENTION.md, "Kernels and the launch
-        choices"): "mma" (the general mma.sync kernel), "wide" (the 64-row wgmma kernel, 16-bit cache at
+      kernel, programmatic_combine, balance_splits: for comparisons and tests (static; the CPU
+        handler and the reference check and ignore them). ``kernel`` is "auto" (the kernel that
+        suits the call), or one asked for where it applies (docs/DECODE_ATTENTION.md, "Kernels
+        and the launch choices"): "mma" (the general mma.sync kernel), "wide" (the 64-row wgmma kernel, 16-bit cache at
         S_q = 1, also with fewer heads), "rs" (the 1-byte caches' wgmma kernel at S_q = 1:
         fp8_ds_mla also with short splits, the plain fp8 cache under an fp8 mqa_q) or "rs-combine"
         (that kernel with its splits merged by the combine kernel).
         ``programmatic_combine=False`` launches the kernel that merges the splits after the
-        attention kernel instead of as its programmatic dependent.
+        attention kernel instead of as its programmatic dependent. ``balance_splits`` (a static
+        Python bool): by default, where the 1-byte caches' kernel merges its splits in the
+        combine kernel (fp8_ds_mla; plain fp8 from 64 tiles a split), a sequence's splits share
+        out their last tiles at run time, so that they end together, and the float rounding then
+        depends on timing (results may differ from run to run in the last bits);
+        ``balance_splits=False`` keeps each split's tiles as cut, for bit-for-bit repeatable results.
 
     The CUDA kernel needs sm_90+ (Hopper or newer); on older GPUs this calls
     ``jax_kimi_mla.reference.mla_decode_attention`` instead (same contract, jnp speed).
@@ -316,7 +322,7 @@ def mla_decode_attention(
     """
     c = _checks.decode_attention(
         mqa_q, kv_cache, block_tables, context_lens, softmax_scale, ds_mla, q_scale_inv, cache_scale_inv, num_splits, return_lse, kernel,
-        programmatic_combine)
+        programmatic_combine, balance_splits)
     if _device.gpu_before_hopper():  # the documented fallback: the jnp reference, same contract
         return reference.mla_decode_attention(
             mqa_q, kv_cache, block_tables, context_lens, softmax_scale=softmax_scale, ds_mla=ds_mla,
@@ -325,7 +331,7 @@ def mla_decode_attention(
     max_len = c.block_tables.shape[1] * c.kv_cache.shape[1]
     splits = c.num_splits or default_num_splits(B, S * H, max_len, _device.sm_count(), _decode_rows_per_cta(c.kv_cache.dtype, B, S, H, c.kernel))
     scales = [_reader_scale(c.q_scale_inv), _reader_scale(c.cache_scale_inv)]
-    partials = (splits * B * S * H * (L + 1),) if splits > 1 else (0,)
+    partials = (splits * B * S * H * PARTIAL_ROW_FLOATS,) if splits > 1 else (0,)
     # The FFI query is [B * S_q, H, 576]: the decode epilogue's mqa_q as it comes.
     out, lse, _ = _ffi.call(
         "mla_decode_attention",

@@ -41,7 +41,7 @@ def test_points_runs_chosen_points(capsys):
     case by its bench_attention name, its kernels; an unknown case name is refused."""
     points = load_script(BENCH.parent / "points.py", "points")
     assert points.main(["--epilogue", "decode_bf16_rope:2:3", "--attention", "small bf16 H=12 B=1 ctx=4096",
-                        "--kernels", "--copy-bytes", str(1 << 20), "--tag", "t"]) == 0
+                        "--kernels", "--unbalanced", "--copy-bytes", str(1 << 20), "--tag", "t"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("[t] copy ceiling")
     assert lines[1].startswith("[t] decode_bf16_rope T=2 H=3:") and "of the ceiling" in lines[1]

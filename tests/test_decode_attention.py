@@ -258,23 +258,30 @@ def test_default_split_count_fills_the_gpu():
 
 
 def test_launch_choices_reach_the_handler_only_when_asked():
-    """kernel= and programmatic_combine= become FFI attributes only where they differ from their
-    defaults (a default call lowers as before they existed); the CPU handler checks and ignores
-    them, so every choice gives the default's bits there."""
+    """kernel=, programmatic_combine= and balance_splits= become FFI attributes only where they
+    differ from their defaults (a default call lowers as before they existed); the CPU handler
+    checks and ignores them, so every choice gives the default's bits there, which agree with the
+    reference."""
     args, kw = make_case("bf16", "bfloat16", lens=(70, 1, 0), heads=4, block_size=16, seed=3)
 
     def custom_call(**choice):
         step = jax.jit(lambda *a: jax_kimi_mla.mla_decode_attention(*a, **kw, **choice))
         return next(line for line in step.lower(*args.values()).as_text().splitlines() if "mla_decode_attention_v" in line)
 
-    assert "kernel" not in custom_call() and "programmatic_combine" not in custom_call()
-    line = custom_call(kernel="rs-combine", programmatic_combine=False)
-    assert 'kernel = "rs-combine"' in line and "programmatic_combine = false" in line
+    default = custom_call()
+    assert "kernel" not in default and "programmatic_combine" not in default and "balance_splits" not in default
+    assert "balance_splits" not in custom_call(balance_splits=True)
+    line = custom_call(kernel="rs-combine", programmatic_combine=False, balance_splits=False)
+    assert 'kernel = "rs-combine"' in line and "programmatic_combine = false" in line and "balance_splits = false" in line
     want = run(jax_kimi_mla.mla_decode_attention, args, kw, "cpu")
     for kernel in jax_kimi_mla._checks.DECODE_KERNELS:
-        got = run(jax_kimi_mla.mla_decode_attention, args, dict(kw, kernel=kernel, programmatic_combine=kernel == "auto"), "cpu")
+        choice = dict(kernel=kernel, programmatic_combine=kernel == "auto", balance_splits=kernel != "auto")
+        got = run(jax_kimi_mla.mla_decode_attention, args, dict(kw, **choice), "cpu")
         for g, w in zip(got, want):
             np.testing.assert_array_equal(g, w)
+    unbalanced = dict(kw, num_splits=3, balance_splits=False)
+    assert_close("bf16", "bfloat16", run(jax_kimi_mla.mla_decode_attention, args, unbalanced, "cpu"),
+                 run(reference.mla_decode_attention, args, unbalanced, "cpu"))
     # Under jax.vmap the folded call keeps the choice.
     batched = {name: np.stack([x, x]) for name, x in args.items()}
     folded = jax.jit(jax.vmap(lambda *a: jax_kimi_mla.mla_decode_attention(*a, **kw, kernel="mma", return_lse=True)))
@@ -374,6 +381,28 @@ def test_cuda_combine_by_programmatic_launch(case):
     for got, want in zip(programmatic, plain):
         np.testing.assert_array_equal(got, want)  # NaN where NaN
     assert_close(fmt, q_dtype, programmatic, run(reference.mla_decode_attention, args, kw, "cpu"))
+
+
+# rs_attention_kernel's splits of a sequence share out their last tiles at run time by default
+# (claims in the partials scratch, the float rounding then depends on timing): fp8_ds_mla's from 4
+# tiles a split, plain fp8's from 64; balance_splits=False keeps each split's tiles as cut. Several
+# splits through combine_kernel ("rs-combine"), ragged lengths (splits past a length, a last split
+# too short to share, a sequence of one tile, plain fp8 sequences with and without shared tails), B 4.
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_splits", (4, 8))
+@pytest.mark.parametrize("fmt,q_dtype,lens", (("fp8_ds_mla", "bfloat16", (4096, 1, 3000, 2049)),
+                                              ("fp8", "float8_e4m3fn", (40000, 1, 9000, 16385))))
+def test_cuda_balanced_and_unbalanced_splits(fmt, q_dtype, lens, num_splits):
+    """Both agree with the reference; two unbalanced runs give the same bits."""
+    args, kw = make_case(fmt, q_dtype, lens=lens, heads=16, block_size=64, seed=15)
+    kw = dict(kw, num_splits=num_splits, kernel="rs-combine")
+    want = run(reference.mla_decode_attention, args, kw, "cpu")
+    assert_close(fmt, q_dtype, poisoned_run(args, kw, "cuda"), want)
+    unbalanced = poisoned_run(args, dict(kw, balance_splits=False), "cuda")
+    assert_close(fmt, q_dtype, unbalanced, want)
+    again = poisoned_run(args, dict(kw, balance_splits=False), "cuda")
+    for got, first in zip(again, unbalanced, strict=True):
+        np.testing.assert_array_equal(got, first)
 
 
 @pytest.mark.cuda

@@ -147,8 +147,8 @@ def test_exported_neox_step_records_its_rope_style():
 
 
 def test_exported_decode_attention_records_a_launch_choice():
-    """kernel= and programmatic_combine= are optional attributes of the decode attention call in
-    the artifact (docs/ABI.md); a default call has none. The round trip gives the direct call's bits."""
+    """kernel=, programmatic_combine= and balance_splits= are optional attributes of the decode
+    attention call in the artifact (docs/ABI.md); a default call has none. The round trip gives the direct call's bits."""
     prefill, decode, _ = make_inputs("kv", seed=5)
     mqa_q = jnp.asarray(np.random.default_rng(5).standard_normal((B, H, 576), np.float32), jnp.bfloat16)
     args = (mqa_q, prefill["kv_cache"], decode["block_tables"], decode["context_lens"])
@@ -157,11 +157,15 @@ def test_exported_decode_attention_records_a_launch_choice():
         return jkm.mla_decode_attention(*args, softmax_scale=0.125, num_splits=2, **launch)
 
     disabled = [jax.export.DisabledSafetyCheck.custom_call(_ffi.target_name(op)) for op in _ffi.FFI_TARGETS]
-    chosen = functools.partial(attend, kernel="rs-combine", programmatic_combine=False)
+    chosen = functools.partial(attend, kernel="rs-combine", programmatic_combine=False, balance_splits=False)
     exported = jax.export.export(jax.jit(chosen), platforms=("cpu",), disabled_checks=disabled)(*args)
-    assert re.search(r'kernel = "rs-combine"', exported.mlir_module()) and "programmatic_combine = false" in exported.mlir_module()
+    module = exported.mlir_module()
+    assert re.search(r'kernel = "rs-combine"', module) and "programmatic_combine = false" in module and "balance_splits = false" in module
     default = jax.export.export(jax.jit(attend), platforms=("cpu",), disabled_checks=disabled)(*args)
     assert "kernel =" not in default.mlir_module() and "programmatic_combine" not in default.mlir_module()
+    assert "balance_splits" not in default.mlir_module()
+    balanced = jax.export.export(jax.jit(functools.partial(attend, balance_splits=True)), platforms=("cpu",), disabled_checks=disabled)(*args)
+    assert "balance_splits" not in balanced.mlir_module()
     with jax.default_device(jax.devices("cpu")[0]):
         got = jax.export.deserialize(exported.serialize()).call(*args)
         want = jax.jit(attend)(*args)

@@ -52,16 +52,43 @@ def test_a_well_formed_raw_call_runs():
         (dict(lens=(3,)), "context_lens must be int32/int64 [B]"),
         (dict(out=(2, 3, 500)), "out must be [B * S_q, H, 512] in the output dtype"),
         (dict(lse=(2, 4)), "lse must be float32 [B * S_q, H]"),
-        (dict(num_splits=2), "partials must be float32 [num_splits * B * S_q * H * 513] (empty for one split)"),
+        (dict(num_splits=2), "partials must be float32 [num_splits * B * S_q * H * 517] (or * 513: no balancing; empty for one split)"),
+        (dict(num_splits=2, partials=2 * 2 * 3 * 515), "partials must be float32 [num_splits * B * S_q * H * 517] (or * 513: no balancing; empty for one split)"),
         (dict(num_splits=0), "num_splits must be 1..1024"),
         (dict(num_splits=None), "the attributes softmax_scale (f32), q_tokens and num_splits (i64) are required"),
         (dict(kernel="fast"), 'kernel must be the string "auto", "mma", "rs", "rs-combine" or "wide"'),
         (dict(programmatic_combine=np.int64(0)), "programmatic_combine must be a bool"),
+        (dict(balance_splits=np.int64(0)), "balance_splits must be a bool"),
+        (dict(balance_splits="false"), "balance_splits must be a bool"),
     ],
 )
 def test_malformed_attention_calls_fail_with_the_handlers_message(kwargs, message):
     with pytest.raises(jax.errors.JaxRuntimeError, match=f"jax_kimi_mla mla_decode_attention: {re.escape(message)}"):
         attention(**kwargs)
+
+
+@pytest.mark.parametrize("launch", [{}, dict(balance_splits=False), dict(balance_splits=True)])
+@pytest.mark.parametrize("row_floats", [517, 513])
+def test_split_scratch_with_or_without_the_claims(row_floats, launch):
+    """The split-KV scratch of 517 floats a partial row (16 bytes of claims, 512 outputs, an lse),
+    or of 513 (programs exported before the claims: no balancing), with or without balance_splits:
+    accepted, and on the CPU the one-split call's result (the CPU handler ignores the splits)."""
+    rng = np.random.default_rng(7)
+    B, H, splits = 2, 3, 3
+    operands = [rng.standard_normal((B, H, 576)).astype(np.float32).astype(BF16), rng.standard_normal((4, 16, 576)).astype(np.float32).astype(BF16),
+                np.array([[0, 1], [2, 3]], np.int32), np.array([20, 32], np.int32), NO_SCALE, NO_SCALE]
+
+    def call(partials, num_splits, **attrs):
+        results = [((B, H, 512), BF16), ((B, H), jnp.float32), ((partials,), jnp.float32)]
+        out, lse, _ = raw_call("mla_decode_attention", operands, results, softmax_scale=np.float32(0.1), q_tokens=np.int64(1),
+                               num_splits=np.int64(num_splits), **attrs)
+        return np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+
+    want = call(0, 1)
+    got = call(splits * B * H * row_floats, splits, **launch)
+    assert np.isfinite(want[1]).all()
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
 
 
 @pytest.mark.parametrize(

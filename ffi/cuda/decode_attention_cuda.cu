@@ -298,9 +298,11 @@ ffi::Error launch_rs_attention(cudaStream_t stream, const DecodeAttention& a, di
 // may ask for another than the default where that one applies:
 // - rs_attention_kernel ("rs" forces it where it applies, "mma" refuses it): fp8_ds_mla, or the
 //   plain fp8 cache under an E4M3 query (of at most 2^31 - 1 rows: its boxes' coordinates), at
-//   S_q = 1 on an sm_90 GPU, in a build with sm_90a code and the fp8 conversion, B <= 65535. The
-//   default there from kRsMinSplitTiles tiles a split. Its splits merge in a cluster where
-//   rs_splits_fit_a_cluster ("rs-combine" forces the kernel with combine_kernel's merge instead).
+//   S_q = 1 on an sm_90 GPU, in a build with sm_90a code and the fp8 conversion, B <= 65535, tables
+//   of at most kRsMaxTokens tokens a sequence. The default there from kRsMinSplitTiles tiles a
+//   split. Its splits merge in a cluster where rs_splits_fit_a_cluster ("rs-combine" forces the
+//   kernel with combine_kernel's merge instead), else in combine_kernel, their last tiles shared
+//   out at run time where the call's scratch holds the claims (balance_splits).
 // - fp8_attention_kernel (the default where it applies and rs_attention_kernel is not taken): the
 //   plain fp8 cache under an E4M3 query at S_q = 1, in a build that has the sm_89+ fp8 conversion
 //   (not JAX_KIMI_MLA_SOFTWARE_FP8). "mma" asks for attention_kernel instead.
@@ -326,6 +328,7 @@ DecodeKernel choose_kernel(const DecodeAttention& a, int major, KernelRequest ch
   const bool fp8_under_e4m3 = a.cache_format == CacheFormat::kFp8 && a.q_type == QType::kE4m3;
   const bool rs_asked = choice == R::kRs || choice == R::kRsCombine;
   const bool rs_applies = kFp8KernelBuilt && kWgmmaBuilt && major == 9 && a.q_tokens == 1 && a.batch <= kMaxGridYZ &&
+                          a.max_len() <= kRsMaxTokens &&
                           (a.cache_format == CacheFormat::kFp8DsMla ||
                            (fp8_under_e4m3 && a.num_blocks * a.block_size <= INT32_MAX));
   // rs_attention_kernel from 4 tiles a split (of the longest sequence the table holds): with fewer,

@@ -12,10 +12,12 @@ namespace {
 //
 // 384 threads, one CTA per SM, grid and partials as attention_kernel's: two consumer warpgroups and
 // a producer warpgroup (FlashAttention 3's layout). The consumers take alternate 64-token tiles of
-// the split from a ring of kRsStages raw stages (tile i in stage i % kRsStages, so each stage
-// serves one consumer warpgroup), each with its own softmax state; the two states merge at the end
-// as two splits would. The producer (produce_rs_tiles) looks up each tile's rows and issues it into
-// its stage once the consumer warpgroup has read the stage's previous tile (its empty barrier).
+// the producer's stream from a ring of kRsStages raw stages (position i in stage i % kRsStages, so
+// each stage serves one consumer warpgroup), each with its own softmax state, until a stage comes
+// marked as the end; the two states merge at the end as two splits would. The producer
+// (produce_rs_tiles) streams the split's tiles (or, where the splits are balanced, its first tiles
+// and then tail tiles claimed from the sequence's splits), looks up each tile's rows and issues it
+// into its stage once the consumer warpgroup has read the stage's previous tile (its empty barrier).
 // Setmaxnreg moves registers from the producer to the consumers, which need about 190-226 (226 /
 // 220 on 256 threads): with the launch's 168 a thread they would spill. (Until the Twenty-sixth round two warpgroups of 256
 // threads looked up and issued the tiles themselves; wgmma being a warpgroup's, a warp busy
@@ -74,8 +76,10 @@ constexpr int kRsProducerRegisters = kFormat == CacheFormat::kFp8 ? 72 : 40;
 template <CacheFormat kFormat>
 constexpr int kRsConsumerRegisters = kRsLaunchRegisters + (kRsLaunchRegisters - kRsProducerRegisters<kFormat>) / kRsGroups;
 constexpr int kRsConsumerBarrier = 1 + kRsGroups;         // named barrier of the consumers (1, 2: each group's)
+constexpr int kRsProducerBarrier = 2 + kRsGroups;         // of the producer's issuing warps
 constexpr int kRsStages = 4;
 constexpr int kRsMinSplitTiles = 4;  // the default from this many tiles a split (choose_kernel)
+constexpr int64_t kRsMaxTokens = int64_t(1) << 30;  // a table's tokens a sequence (choose_kernel): 32-bit positions
 constexpr float kRsSlack = 8.0f;  // log2 units: P' values up to 2^8 before the reference moves
 constexpr int kScaleTiles = kLatent / kDsMlaTile;  // 4
 static_assert(kRsGroups * 128 == kThreads && kScaleTiles == 4 && kTileRows == 16);
@@ -135,7 +139,9 @@ struct RsLayout {
   static constexpr int kBarriers = kMasks + kRsStages * 8;                      // uint64 full[stages], empty[stages]
   static constexpr int kStats = kBarriers + 2 * kRsStages * 8;                  // QPrescale
   static constexpr int kLse = kStats + (int(sizeof(QPrescale)) + 15) / 16 * 16; // float [16]: a cluster's rows
-  static constexpr int kRows = kLse + kTileRows * 4;                            // int64 [stage][64] (plain fp8)
+  static constexpr int kEnds = kLse + kTileRows * 4;                            // int [stage]: the stream's end
+  static constexpr int kClaimed = kEnds + kRsStages * 4;                        // RsTile [2]: claims for warp 1
+  static constexpr int kRows = kClaimed + 2 * 16;                               // int64 [stage][64] (plain fp8)
   static constexpr int kBytes = kRows + (kFp8 ? kRsStages * kTileTokens * 8 : 0);
   // At the end, over the stages: the staged output rows in stage 0, each warpgroup's half of out for
   // the other in stage 2 + group; over the P tiles, a cluster merge's weights.
@@ -270,40 +276,181 @@ __device__ void merge_cluster_splits(const DecodeAttention& a, int64_t b, int64_
   cluster_sync();  // the other CTAs are done reading this one's rows
 }
 
-// The producer warpgroup (threads kThreads.. of the CTA): tile t of the split into stage
-// t % kRsStages once the consumer warpgroup that read the stage's tile t - kRsStages has arrived on
-// its empty barrier, and each warpgroup's second tile once its first has landed (so every CTA's
-// first tiles come before anyone's second ones). fp8_ds_mla: warps 0-1, a token a thread, each run
-// of consecutive rows one bulk copy, and the tile's live-token masks; plain fp8: warp 0, the tile's
-// boxes (issue_swizzled_tile) from its rows in tile_rows. The rows of tile t + 1 are looked up
-// while tile t's stage is waited for. The consumers neither look up nor issue: wgmma is a
-// warpgroup's, so a warp busy issuing held up its warpgroup's next MMA (docs/DECODE_ATTENTION.md,
-// Twenty-fifth round).
+// ---- Splits balanced at run time (DecodeAttention::claims) ----
+//
+// The CTAs of one sequence's splits stream the same number of tiles, yet on the GPU their loops
+// differ by up to a fifth (H100, plain fp8, B 16 x 16k: 40-50 us for 31 tiles), and the call ends
+// with the slowest. So, where the splits merge in combine_kernel (whose merge takes any split of
+// any tiles), the last quarter of each split's tiles is shared out: the CTA streams its first
+// tiles as cut, then claims tail tiles one at a time, its own first (SplitClaim record, opened once
+// its stages are filled), then, once its own claim fails (it closes its record), those of the
+// sequence's other splits, the one with the most left first. A CTA's partial thus covers a set of tiles that
+// depends on timing, so the float rounding does too (balance_splits=False keeps the cut).
+
+// The tile whose first token is `start`, of a split whose loads end at `end`; start < 0: the end
+// of the CTA's stream. 32-bit: choose_kernel takes this kernel only for tables of at most
+// kRsMaxTokens tokens a sequence (the producer has 40 registers a thread).
+struct RsTile {
+  int start, end;
+};
+
+// The tail tiles of a split of `tiles`: shared out.
+__device__ __forceinline__ int rs_tail_tiles(int tiles) { return tiles / 4; }
+// The shortest splits that share out their tails (H100, B 16, H 12 and 16, the call's time against
+// fixed splits: fp8_ds_mla 0.5-2.5% faster at 32-64 tiles a split, 0-4% at 16; plain fp8 about 1.4%
+// slower at 32 tiles a split, 1.5-2% faster at 64: docs/DECODE_ATTENTION.md, Thirtieth round).
 template <CacheFormat kFormat>
-__device__ void produce_rs_tiles(const DecodeAttention& a, const Work& w, const TileMaps& maps, uint8_t* smem) {
+constexpr int kRsBalancedMinTiles = kFormat == CacheFormat::kFp8 ? 64 : kRsMinSplitTiles;
+
+// Split j of a sequence of len tokens (per = split_tokens(len), j < live_splits(len)) as
+// split_work cuts it: its tile count and its tile i.
+__device__ __forceinline__ int rs_split_tiles(int per, int len, int j) {
+  const int first = j * per;
+  return (min(first + per, len) - first + kTileTokens - 1) / kTileTokens;
+}
+__device__ __forceinline__ RsTile rs_split_tile(int per, int len, int j, int i) {
+  const int first = j * per;
+  return RsTile{first + i * kTileTokens, min(first + per, len)};
+}
+
+// The owner's record opened: claimed = 0 made visible before the tag that lets others claim.
+__device__ __forceinline__ void open_claims(SplitClaim* record) {
+  record->claimed = 0;
+  __threadfence();
+  *reinterpret_cast<volatile unsigned long long*>(&record->open) = kClaimOpen;
+}
+
+// The CTA's next claimed tile (split blockIdx.x of sequence blockIdx.z, the CTA's query rows), or
+// the end; run by the producer's warp 0, the result the same in every lane. own_open: this split's
+// own record may still have tiles; then lane 0's `ahead` is a claim on it already made (an atomic
+// add's result, first used here), and the next one is made before returning, so that no atomic's
+// latency sits between a freed stage and its next tile.
+__device__ __forceinline__ RsTile rs_claim(const DecodeAttention& a, int len, int per, bool& own_open,
+                                           unsigned& ahead) {
+  const int lane = int(threadIdx.x) % 32, me = int(blockIdx.x), live = a.live_splits(len);
+  const int64_t b = blockIdx.z, row0 = int64_t(blockIdx.y) * kTileRows;
+  if (own_open) {
+    const int tiles = rs_split_tiles(per, len, me), tail = rs_tail_tiles(tiles);
+    SplitClaim* mine = a.claim_record(me, b, row0);
+    const unsigned got = __shfl_sync(0xFFFFFFFFu, ahead, 0);
+    if (got < unsigned(tail)) {
+      if (lane == 0) ahead = atomicAdd(&mine->claimed, 1u);
+      return rs_split_tile(per, len, me, tiles - tail + int(got));
+    }
+    own_open = false;
+    if (lane == 0) atomicExch(&mine->open, 0ull);  // closed before the kernel ends: the next call's scratch
+  }
+  for (;;) {
+    // Lane k looks at split me + 1 + k's record (the next 32 splits: enough to even out the
+    // splits' ends); the warp picks the one with the most tiles left (key: left << 10 | split, 0
+    // for none; kMaxSplits = 1024).
+    int key = 0;
+    if (lane < live - 1) {
+      const int j = (me + 1 + lane) % live, tail = rs_tail_tiles(rs_split_tiles(per, len, j));
+      const SplitClaim* record = a.claim_record(j, b, row0);
+      const unsigned long long open = *reinterpret_cast<const volatile unsigned long long*>(&record->open);
+      const int left = tail - int(*reinterpret_cast<const volatile unsigned*>(&record->claimed));
+      if (open == kClaimOpen && tail > 0 && left > 0) key = min(left, (1 << 21) - 1) << 10 | j;
+    }
+    key = __reduce_max_sync(0xFFFFFFFFu, key);
+    if (key == 0) return RsTile{-1, 0};
+    const int j = key & 1023;
+    unsigned got = 0;
+    if (lane == 0) {
+      __threadfence();  // after seeing the tag: the owner's claimed = 0 comes first
+      got = atomicAdd(&a.claim_record(j, b, row0)->claimed, 1u);
+    }
+    got = __shfl_sync(0xFFFFFFFFu, got, 0);
+    const int tiles = rs_split_tiles(per, len, j), tail = rs_tail_tiles(tiles);
+    if (got < unsigned(tail)) return rs_split_tile(per, len, j, tiles - tail + int(got));
+  }
+}
+
+// The producer warpgroup (threads kThreads.. of the CTA): the CTA's stream of tiles (its split's,
+// or with `balanced` its first ones, then claimed ones: rs_claim), position t into stage
+// t % kRsStages once the consumer warpgroup that read the stage's position t - kRsStages has
+// arrived on its empty barrier, and each warpgroup's second position once its first has landed (so
+// every CTA's first tiles come before anyone's second ones). After the last tile, the next two
+// positions (one a warpgroup) complete with ends[stage] set and no bytes. fp8_ds_mla: warps 0-1, a
+// token a thread, each run of consecutive rows one bulk copy, and the tile's live-token masks;
+// plain fp8: warp 0, the tile's boxes (issue_swizzled_tile) from its rows in tile_rows. The next
+// tile is known (claimed) and its rows looked up while the current one's stage is waited for. The
+// consumers neither look up nor issue: wgmma is a warpgroup's, so a warp busy issuing held up its
+// warpgroup's next MMA (docs/DECODE_ATTENTION.md, Twenty-fifth round).
+// Its split is worked out here again, in 32-bit, from the block index: values kept from before the
+// branch must fit the producer's registers too, and ptxas spilled them, the consumers' copies also.
+template <CacheFormat kFormat>
+__device__ void produce_rs_tiles(const DecodeAttention& a, const TileMaps& maps, uint8_t* smem, bool balanced) {
   using L = RsLayout<kFormat>;
   constexpr bool kFp8 = L::kFp8;
+  constexpr int kIssuers = kFp8 ? 32 : kTileTokens;
   const int thread = int(threadIdx.x) - kThreads, lane = thread % 32;
-  if (thread >= (kFp8 ? 32 : kTileTokens)) return;  // whole warps
+  if (thread >= kIssuers) return;  // whole warps
   uint8_t* raw = smem + L::kRaw;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
   uint64_t* empty = full + kRsStages;
   uint32_t* masks = reinterpret_cast<uint32_t*>(smem + L::kMasks);     // fp8_ds_mla: [stage][2]
   uint64_t* zero_rows = reinterpret_cast<uint64_t*>(smem + L::kMasks);  // plain fp8: [stage]
   int64_t* tile_rows = reinterpret_cast<int64_t*>(smem + L::kRows);     // plain fp8: [stage][64]
-  // This thread's rows of tile t: plain fp8 tokens lane and lane + 32, fp8_ds_mla token `thread`.
-  const auto look_up = [&](int64_t t, int64_t (&rows)[2]) {
-    rows[0] = tile_token_row(a, w, t, kFp8 ? lane : thread);
-    rows[1] = kFp8 ? tile_token_row(a, w, t, lane + 32) : -1;
+  int* ends = reinterpret_cast<int*>(smem + L::kEnds);
+  RsTile* handed = reinterpret_cast<RsTile*>(smem + L::kClaimed);       // [claim % 2]: warp 0's, for warp 1
+  const int64_t b = blockIdx.z;
+  const int len = int(a.context_len(b)), per = int(a.split_tokens(len)), me = int(blockIdx.x);
+  balanced = balanced && per >= kRsBalancedMinTiles<kFormat> * kTileTokens;
+  const int tiles = int64_t(me) * per < len ? rs_split_tiles(per, len, me) : 0;
+  const int own = balanced ? tiles - rs_tail_tiles(tiles) : tiles;
+  bool own_open = own < tiles;  // (warp 0's)
+  int claims = 0;
+  unsigned ahead = 0;  // thread 0's claim made a position ahead (rs_claim)
+  // The tile at position t of the stream, the same in every issuing thread.
+  const auto tile_at = [&](int t) {
+    if (t < own) {
+      if (t + 1 == own && own_open && thread == 0)  // the first claim, a position ahead (opened by now)
+        ahead = atomicAdd(&a.claim_record(me, b, int64_t(blockIdx.y) * kTileRows)->claimed, 1u);
+      return rs_split_tile(per, len, me, t);
+    }
+    if (!balanced) return RsTile{-1, 0};
+    RsTile got{-1, 0};
+    if (thread < 32) got = rs_claim(a, len, per, own_open, ahead);
+    if constexpr (!kFp8) {  // warp 0 claims for both warps
+      RsTile* slot = handed + (claims & 1);  // two slots: warp 1 has read one before warp 0 refills it
+      if (thread == 0) *slot = got;
+      named_barrier_sync(kRsProducerBarrier, kIssuers);
+      got = *slot;
+    }
+    ++claims;
+    return got;
   };
-  int64_t rows[2] = {-1, -1};
-  if (w.n_tiles > 0) look_up(0, rows);
-  for (int64_t t = 0; t < w.n_tiles; ++t) {
-    const int s = int(t % kRsStages);
-    int64_t next[2] = {-1, -1};
-    if (t + 1 < w.n_tiles) look_up(t + 1, next);
+  // This thread's rows of a tile: plain fp8 tokens lane and lane + 32, fp8_ds_mla token `thread`.
+  const auto look_up = [&](const RsTile& tile, int64_t (&rows)[2]) {
+    const auto row = [&](int token) { return tile.start + token < tile.end ? a.token_row(b, tile.start + token) : -1; };
+    rows[0] = row(kFp8 ? lane : thread);
+    rows[1] = kFp8 ? row(lane + 32) : -1;
+  };
+  const auto wait_for_stage = [&](int t) {
+    const int s = t % kRsStages;
     if (t >= kRsStages) mbarrier_wait(empty + s, uint32_t(t / kRsStages - 1) & 1);
     else if (t >= kRsGroups) mbarrier_wait(full + s - kRsGroups, 0);  // the warpgroup's first tile landed
+  };
+  RsTile tile = tile_at(0);
+  int64_t rows[2] = {-1, -1};
+  if (tile.start >= 0) look_up(tile, rows);
+  for (int t = 0;; ++t) {
+    if (tile.start < 0) {  // positions t and t + 1: each consumer warpgroup finds the end
+#pragma unroll
+      for (int e = 0; e < kRsGroups; ++e) {
+        wait_for_stage(t + e);
+        const int s = (t + e) % kRsStages;
+        if (thread == 0) ends[s] = 1;
+        mbarrier_arrive(full + s);
+      }
+      return;
+    }
+    const RsTile following = tile_at(t + 1);
+    int64_t next[2] = {-1, -1};
+    if (following.start >= 0) look_up(following, next);
+    wait_for_stage(t);
+    const int s = t % kRsStages;
     uint8_t* stage = raw + s * L::kStageBytes;
     if constexpr (kFp8) {
       tile_rows[s * kTileTokens + lane] = rows[0], tile_rows[s * kTileTokens + lane + 32] = rows[1];
@@ -314,7 +461,12 @@ __device__ void produce_rs_tiles(const DecodeAttention& a, const Work& w, const 
       if (lane == 0) masks[2 * s + thread / 32] = live;
       issue_raw_tile<CacheFormat::kFp8DsMla>(a, rows[0], stage, full + s, thread);
     }
-    rows[0] = next[0], rows[1] = next[1];
+    // The record opened once the stages are filled, so that its fence (which waits for this
+    // thread's loads) is off the first tiles' path, and before this CTA's first claim
+    // (tile_at(own - 1), at t = own - 2).
+    if (t == min(kRsStages - 1, own - 3) && own_open && thread == 0)
+      open_claims(a.claim_record(me, b, int64_t(blockIdx.y) * kTileRows));
+    tile = following, rows[0] = next[0], rows[1] = next[1];
   }
 }
 
@@ -338,24 +490,29 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBarriers);
   uint64_t* empty = full + kRsStages;
   QPrescale& stats = *reinterpret_cast<QPrescale*>(smem + L::kStats);
+  volatile int* ends = reinterpret_cast<int*>(smem + L::kEnds);
   const auto stage = [&](int s) { return raw + s * L::kStageBytes; };
-  const int tid = int(threadIdx.x), warp = uniform_warp_index(), lane = tid % 32;
-  const int group = warp / 4, wq = warp % 4, g = lane / 4, c = lane % 4, gtid = tid % 128;
+  const int tid = int(threadIdx.x);
 
   if (tid == 0) {
     for (int s = 0; s < kRsStages; ++s) mbarrier_init(full + s, kFp8 ? 32 : kTileTokens), mbarrier_init(empty + s, 128);
     mbarrier_init_fence();
   }
   if (tid < kTileRows) stats.q_max_bits[tid] = 0;
-  __syncthreads();  // the mbarriers and the zeroed maxima are ready
+  if (tid < kRsStages) ends[tid] = 0;
+  __syncthreads();  // the mbarriers, the zeroed maxima and ends are ready
   JKM_PHASE_AT(1);
-  if (group == kRsGroups) {  // the producer: every tile of the split, then the cluster's barriers
+  if (uniform_warp_index() / 4 == kRsGroups) {  // the producer: every tile of the split, then the cluster's barriers
     set_max_registers<kRsProducerRegisters<kFormat>, false>();
-    produce_rs_tiles<kFormat>(a, w, maps, smem);
+    produce_rs_tiles<kFormat>(a, maps, smem, a.claims != nullptr && !in_cluster);
     if (in_cluster) cluster_sync(), cluster_sync();  // merge_cluster_splits's
     return;
   }
   set_max_registers<kRsConsumerRegisters<kFormat>, true>();
+  // The consumers' places, worked out after the branch: kept from before it, ptxas spilled some
+  // (they would have to fit the producer's registers too).
+  const int warp = uniform_warp_index(), lane = tid % 32;
+  const int group = warp / 4, wq = warp % 4, g = lane / 4, c = lane % 4, gtid = tid % 128;
   uint4 q_fetched[kQChunksPerThread];
   fetch_q<ActType::kF16>(a, b, w.row0, q_fetched);
   if constexpr (kFp8) {
@@ -389,10 +546,11 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
   for (int k = 0; k < 4; ++k) st.ref[k] = -INFINITY, st.sum[k] = 0.0f;
   JKM_PHASE_AT(2);
 
-  for (int64_t i = group; i < w.n_tiles; i += kRsGroups) {
+  for (int64_t i = group;; i += kRsGroups) {  // position i of the producer's stream, to its end
     const int s = int(i % kRsStages);
     const uint8_t* tile = stage(s);
     mbarrier_wait(full + s, uint32_t(i / kRsStages) & 1);
+    if (ends[s]) break;
     JKM_TILE_AT(i);
     bool live0, live1;
     float acc[kFp8 ? kLatent / 128 + 1 : kScaleTiles][8], acc_pe[8];

@@ -16,8 +16,24 @@ namespace jax_kimi_mla {
 enum class QType : uint8_t { kBF16, kF16, kE4m3 };
 
 inline constexpr int kAttnRowStats = kLatent + 1;  // floats of a partial per query row: 512 outputs, an lse
+// The scratch may also hold, first, 16 bytes per partial row for the balancing of a sequence's
+// splits (SplitClaim): 517 floats a row in all. Without them (513, as before) the splits stay as cut.
+inline constexpr int kClaimFloats = 4;
 inline constexpr int kMaxQueryTokens = 4;          // S_q: new tokens per sequence
 inline constexpr int kMaxSplits = 1024;            // = _checks.MAX_SPLITS
+
+// A split's claim record: the tiles at the end of a split (its last quarter) that any split of the
+// same sequence may take once it is done with its own, so that the sequence's splits end together
+// (rs_attention_kernel). The owner opens the record at its start (claimed = 0, then open =
+// kClaimOpen) and closes it (open = 0) once its own claim fails; a claim is an atomic add on
+// claimed, valid while below the split's count of such tiles. The scratch holds garbage at a call's
+// start: a record counts as open only with the 64-bit tag that its owner writes in this call, and
+// every owner closes its record before its kernel ends.
+struct alignas(16) SplitClaim {
+  unsigned long long open;
+  unsigned int claimed, unused;
+};
+inline constexpr unsigned long long kClaimOpen = 0x6a6b6d2d636c61ffULL;
 
 struct DecodeAttention : PagedCache {
   QType q_type = QType::kBF16;
@@ -33,6 +49,9 @@ struct DecodeAttention : PagedCache {
   // then the lse [num_splits, B, S_q * H] (outputs apart so that their rows are 16-byte aligned).
   float* partials = nullptr;
   int num_splits = 1;
+  // The splits' claim records (SplitClaim, one per split and CTA: claim_record), or null: each
+  // split takes exactly its own tiles. Ahead of partials in the same scratch.
+  SplitClaim* claims = nullptr;
 
   JKM_HD int64_t rows() const { return q_tokens * heads; }  // query rows of one sequence
 
@@ -66,17 +85,23 @@ struct DecodeAttention : PagedCache {
   JKM_HD float* partial_lse(int s, int64_t b, int64_t r) const {
     return partials + int64_t(num_splits) * batch * rows() * kLatent + partial_row(s, b, r);
   }
+  // The claim record of split s's CTA whose first query row is row0 (16 bytes of the partial row's
+  // kClaimFloats).
+  JKM_HD SplitClaim* claim_record(int s, int64_t b, int64_t row0) const { return claims + partial_row(s, b, row0); }
 };
 
 // How the CUDA handler launches a call, from the optional attributes `kernel` (string: "auto",
 // the default, or a kernel asked for where it applies: decode_attention_cuda.cu, choose_kernel)
-// and `programmatic_combine` (bool, default true: combine_kernel starts as a programmatic
-// dependent of the attention kernel). For comparisons and tests; the CPU handler checks and
-// ignores them. Host.
+// `programmatic_combine` (bool, default true: combine_kernel starts as a programmatic dependent of
+// the attention kernel) and `balance_splits` (bool, default true: a sequence's splits share out
+// their last tiles at run time, where the scratch has room for the claims; false: each split takes
+// exactly its tiles, so that results repeat bit for bit). The CPU handler checks and ignores them.
+// Host.
 enum class KernelRequest : uint8_t { kAuto, kMma, kRs, kRsCombine, kWide };
 struct DecodeLaunch {
   KernelRequest kernel = KernelRequest::kAuto;
   bool programmatic_combine = true;
+  bool balance_splits = true;
 };
 
 // The request a `kernel` attribute's string names (_checks.DECODE_KERNELS); false for any other.
@@ -100,8 +125,9 @@ constexpr std::string_view kDecodeAttentionTarget = "mla_decode_attention";  // 
 // Operands: q act|f8 [B * S_q, H, 576]; kv_cache act|f8|u8 [N, bs, W]; block_tables idx [B,
 // max_blocks]; context_lens idx [B]; q_scale_inv f32 [1] or [0]; cache_scale_inv f32 [1] or [0].
 // Results: out act [B * S_q, H, 512]; lse f32 [B * S_q, H]; partials f32 [num_splits * B * S_q *
-// H * 513] (empty when num_splits == 1). Attributes: softmax_scale (f32), q_tokens (i64 S_q,
-// 1..4), num_splits (i64 >= 1); optional: kernel, programmatic_combine (DecodeLaunch). The query
+// H * 517] (the claims, then the outputs and the lse; * 513: no claims; empty when num_splits ==
+// 1). Attributes: softmax_scale (f32), q_tokens (i64 S_q, 1..4), num_splits (i64 >= 1); optional:
+// kernel, programmatic_combine, balance_splits (DecodeLaunch). The query
 // is 3-D so that the decode epilogue's mqa_q [B, H, 576] (B * S_q rows) feeds it with no reshape,
 // which XLA may turn into a copy.
 // The Python wrapper checks all of this first and explains; these checks keep a malformed direct
@@ -128,6 +154,11 @@ inline ffi::Error make_decode_attention(ffi::AnyBuffer q, ffi::AnyBuffer cache,
     const auto programmatic = attrs.get<bool>("programmatic_combine");
     if (!programmatic.has_value()) return fail("programmatic_combine must be a bool");
     launch.programmatic_combine = *programmatic;
+  }
+  if (attrs.contains("balance_splits")) {
+    const auto balance = attrs.get<bool>("balance_splits");
+    if (!balance.has_value()) return fail("balance_splits must be a bool");
+    launch.balance_splits = *balance;
   }
   const auto qd = q.dimensions();
   if (q_tokens < 1 || q_tokens > kMaxQueryTokens) return fail("q_tokens (S_q) must be 1..4");
@@ -158,15 +189,18 @@ inline ffi::Error make_decode_attention(ffi::AnyBuffer q, ffi::AnyBuffer cache,
     return fail("lse must be float32 [B * S_q, H]");
   if (num_splits < 1 || num_splits > kMaxSplits)
     return fail(("num_splits must be 1.." + std::to_string(kMaxSplits)).c_str());
-  const size_t want = num_splits == 1 ? 0 : size_t(num_splits * a.batch * a.rows() * kAttnRowStats);
-  if (partials.element_type() != T::F32 || partials.element_count() != want)
-    return fail("partials must be float32 [num_splits * B * S_q * H * 513] (empty for one split)");
+  const size_t partial_rows = num_splits == 1 ? 0 : size_t(num_splits * a.batch * a.rows());
+  const bool with_claims = partials.element_count() == partial_rows * (kAttnRowStats + kClaimFloats);
+  if (partials.element_type() != T::F32 || (partials.element_count() != partial_rows * kAttnRowStats && !with_claims))
+    return fail("partials must be float32 [num_splits * B * S_q * H * 517] (or * 513: no balancing; empty for one split)");
   a.q = q.untyped_data();
   a.softmax_scale = *softmax_scale;
   a.q_scale_inv = a.q_type == QType::kE4m3 ? static_cast<const float*>(q_scale_inv.untyped_data()) : nullptr;
   a.out = out.untyped_data();
   a.lse = static_cast<float*>(lse.untyped_data());
-  a.partials = num_splits == 1 ? nullptr : static_cast<float*>(partials.untyped_data());
+  float* scratch = static_cast<float*>(partials.untyped_data());
+  a.partials = num_splits == 1 ? nullptr : scratch + (with_claims ? partial_rows * kClaimFloats : 0);
+  a.claims = num_splits > 1 && with_claims && launch.balance_splits ? reinterpret_cast<SplitClaim*>(scratch) : nullptr;
   a.num_splits = int(num_splits);
   return ffi::Error::Success();
 }
