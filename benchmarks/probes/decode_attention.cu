@@ -13,8 +13,10 @@
 //
 // Cases: the arguments, each format:B:context:H:splits (format bf16, fp8 or ds), or four default
 // ones. PROBE_KERNELS=default,rs-combine,... (comma-separated; "default" unsets the choice) times
-// other kernel choices than mma, default and rs; PROBE_L2_BLOCKS=n points every table at the
-// first n blocks.
+// other kernel choices than mma, default and rs; a name ending in "-fixed" runs its choice with no
+// room for the splits' claims (each split takes exactly its tiles: balance_splits=False).
+// PROBE_L2_BLOCKS=n points every table at the first n blocks. -DJKM_RS_FP8_BALANCED_MIN_TILES=n
+// balances plain fp8 from n tiles a split (rs_attention_kernel.cuh).
 //
 //   INC="-I ffi/include -I $(python3 -c 'import jax.ffi; print(jax.ffi.include_dir())')"
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DJKM_SM90A_BUILT $INC -o /tmp/decode_attention \
@@ -191,7 +193,8 @@ int run_case(const Case& k, std::mt19937& rng) {
   float *d_scales, *d_lse, *d_partials;
   uint16_t* d_out;
   const int64_t out_elems = int64_t(k.batch) * k.heads * kLatent;
-  const size_t partial_floats = k.splits > 1 ? size_t(k.splits) * k.batch * k.heads * kAttnRowStats : 0;
+  const size_t partial_rows = k.splits > 1 ? size_t(k.splits) * k.batch * k.heads : 0;
+  const size_t partial_floats = partial_rows * (kClaimFloats + kAttnRowStats);  // the claims first
   if (!ok(cudaMalloc(&d_cache, cache.size()), "malloc") || !ok(cudaMalloc(&d_q, q.size()), "malloc") ||
       !ok(cudaMalloc(&d_tables, tables.size() * 4), "malloc") || !ok(cudaMalloc(&d_lens, lens.size() * 4), "malloc") ||
       !ok(cudaMalloc(&d_scales, 8), "malloc") || !ok(cudaMalloc(&d_lse, size_t(k.batch) * k.heads * 4), "malloc") ||
@@ -217,7 +220,9 @@ int run_case(const Case& k, std::mt19937& rng) {
   a.batch = k.batch, a.q_tokens = 1, a.heads = k.heads;
   a.q = d_q, a.softmax_scale = 0.0417f;
   a.q_scale_inv = fp8 ? d_scales : nullptr;
-  a.out = d_out, a.lse = d_lse, a.partials = k.splits > 1 ? d_partials : nullptr, a.num_splits = k.splits;
+  a.out = d_out, a.lse = d_lse, a.num_splits = k.splits;
+  a.partials = k.splits > 1 ? d_partials + partial_rows * kClaimFloats : nullptr;
+  SplitClaim* const claims = k.splits > 1 ? reinterpret_cast<SplitClaim*>(d_partials) : nullptr;
 
   // The kernels by the `kernel` choice: attention_kernel (forced), the default,
   // rs_attention_kernel where the format is a 1-byte one (else the default); each against the first.
@@ -233,11 +238,13 @@ int run_case(const Case& k, std::mt19937& rng) {
   std::vector<float> us(kKernels);
   const auto choose = [](const std::string& name) {
     DecodeLaunch launch;  // "default" (or an unknown name): the kernel that suits the call
-    kernel_request(name, launch.kernel);
+    kernel_request(name.substr(0, name.rfind("-fixed")), launch.kernel);
     return launch;
   };
   for (int kernel = 0; kernel < kKernels; ++kernel) {
     const DecodeLaunch launch = choose(kernels[kernel]);
+    const std::string& name = kernels[kernel];
+    a.claims = name.size() > 6 && name.compare(name.size() - 6, 6, "-fixed") == 0 ? nullptr : claims;
     cudaMemset(d_out, 0xFF, out_elems * 2);
     if (ffi::Error e = run(nullptr, a, launch); e.failure() || !ok(cudaDeviceSynchronize(), "attention")) {
       std::printf("run failed\n");

@@ -69,7 +69,8 @@ constexpr int kRsThreads = (kRsGroups + 1) * 128;         // and the producer wa
 // setmaxnreg: the launch gives every thread kRsLaunchRegisters; the producer warpgroup gives some
 // back and the two consumer warpgroups take exactly those (the pool holds only what was given back).
 // Plain fp8's producer issues boxes (72 registers without spills), its consumers then have 216;
-// fp8_ds_mla's issues bulk copies (40), its consumers have 232 (at 216 ptxas spills).
+// fp8_ds_mla's issues bulk copies (40, and its claims spill 60 bytes there), its consumers have 232
+// (at 224 ptxas spills in the consumers).
 constexpr int kRsLaunchRegisters = 65536 / kRsThreads / 8 * 8;  // 168
 template <CacheFormat kFormat>
 constexpr int kRsProducerRegisters = kFormat == CacheFormat::kFp8 ? 72 : 40;
@@ -284,8 +285,10 @@ __device__ void merge_cluster_splits(const DecodeAttention& a, int64_t b, int64_
 // any tiles), the last quarter of each split's tiles is shared out: the CTA streams its first
 // tiles as cut, then claims tail tiles one at a time, its own first (SplitClaim record, opened once
 // its stages are filled), then, once its own claim fails (it closes its record), those of the
-// sequence's other splits, the one with the most left first. A CTA's partial thus covers a set of tiles that
-// depends on timing, so the float rounding does too (balance_splits=False keeps the cut).
+// sequence's other splits, the one with the most left first. A CTA's partial thus covers a set of
+// tiles that depends on timing, so the float rounding does too (balance_splits=False keeps the
+// cut). The ends even out, but the loops get slower (the splits share the HBM either way): plain
+// fp8 gains only with long splits (docs/DECODE_ATTENTION.md, Thirtieth round).
 
 // The tile whose first token is `start`, of a split whose loads end at `end`; start < 0: the end
 // of the CTA's stream. 32-bit: choose_kernel takes this kernel only for tables of at most
@@ -299,8 +302,11 @@ __device__ __forceinline__ int rs_tail_tiles(int tiles) { return tiles / 4; }
 // The shortest splits that share out their tails (H100, B 16, H 12 and 16, the call's time against
 // fixed splits: fp8_ds_mla 0.5-2.5% faster at 32-64 tiles a split, 0-4% at 16; plain fp8 about 1.4%
 // slower at 32 tiles a split, 1.5-2% faster at 64: docs/DECODE_ATTENTION.md, Thirtieth round).
+#ifndef JKM_RS_FP8_BALANCED_MIN_TILES  // benchmarks/probes/decode_attention.cu may set it
+#define JKM_RS_FP8_BALANCED_MIN_TILES 64
+#endif
 template <CacheFormat kFormat>
-constexpr int kRsBalancedMinTiles = kFormat == CacheFormat::kFp8 ? 64 : kRsMinSplitTiles;
+constexpr int kRsBalancedMinTiles = kFormat == CacheFormat::kFp8 ? JKM_RS_FP8_BALANCED_MIN_TILES : kRsMinSplitTiles;
 
 // Split j of a sequence of len tokens (per = split_tokens(len), j < live_splits(len)) as
 // split_work cuts it: its tile count and its tile i.
