@@ -319,6 +319,11 @@ __device__ __forceinline__ RsTile rs_split_tile(int per, int len, int j, int i) 
   return RsTile{first + i * kTileTokens, min(first + per, len)};
 }
 
+// The claim record of split j of this CTA's sequence (blockIdx.z) and query rows (blockIdx.y).
+__device__ __forceinline__ SplitClaim* rs_record(const DecodeAttention& a, int j) {
+  return a.claim_record(j, blockIdx.z, int64_t(blockIdx.y) * kTileRows);
+}
+
 // The owner's record opened: claimed = 0 made visible before the tag that lets others claim.
 __device__ __forceinline__ void open_claims(SplitClaim* record) {
   record->claimed = 0;
@@ -334,10 +339,9 @@ __device__ __forceinline__ void open_claims(SplitClaim* record) {
 __device__ __forceinline__ RsTile rs_claim(const DecodeAttention& a, int len, int per, bool& own_open,
                                            unsigned& ahead) {
   const int lane = int(threadIdx.x) % 32, me = int(blockIdx.x), live = a.live_splits(len);
-  const int64_t b = blockIdx.z, row0 = int64_t(blockIdx.y) * kTileRows;
   if (own_open) {
     const int tiles = rs_split_tiles(per, len, me), tail = rs_tail_tiles(tiles);
-    SplitClaim* mine = a.claim_record(me, b, row0);
+    SplitClaim* mine = rs_record(a, me);
     const unsigned got = __shfl_sync(0xFFFFFFFFu, ahead, 0);
     if (got < unsigned(tail)) {
       if (lane == 0) ahead = atomicAdd(&mine->claimed, 1u);
@@ -353,7 +357,7 @@ __device__ __forceinline__ RsTile rs_claim(const DecodeAttention& a, int len, in
     int key = 0;
     if (lane < live - 1) {
       const int j = (me + 1 + lane) % live, tail = rs_tail_tiles(rs_split_tiles(per, len, j));
-      const SplitClaim* record = a.claim_record(j, b, row0);
+      const SplitClaim* record = rs_record(a, j);
       const unsigned long long open = *reinterpret_cast<const volatile unsigned long long*>(&record->open);
       const int left = tail - int(*reinterpret_cast<const volatile unsigned*>(&record->claimed));
       if (open == kClaimOpen && tail > 0 && left > 0) key = min(left, (1 << 21) - 1) << 10 | j;
@@ -364,7 +368,7 @@ __device__ __forceinline__ RsTile rs_claim(const DecodeAttention& a, int len, in
     unsigned got = 0;
     if (lane == 0) {
       __threadfence();  // after seeing the tag: the owner's claimed = 0 comes first
-      got = atomicAdd(&a.claim_record(j, b, row0)->claimed, 1u);
+      got = atomicAdd(&rs_record(a, j)->claimed, 1u);
     }
     got = __shfl_sync(0xFFFFFFFFu, got, 0);
     const int tiles = rs_split_tiles(per, len, j), tail = rs_tail_tiles(tiles);
@@ -412,7 +416,7 @@ __device__ void produce_rs_tiles(const DecodeAttention& a, const TileMaps& maps,
   const auto tile_at = [&](int t) {
     if (t < own) {
       if (t + 1 == own && own_open && thread == 0)  // the first claim, a position ahead (opened by now)
-        ahead = atomicAdd(&a.claim_record(me, b, int64_t(blockIdx.y) * kTileRows)->claimed, 1u);
+        ahead = atomicAdd(&rs_record(a, me)->claimed, 1u);
       return rs_split_tile(per, len, me, t);
     }
     if (!balanced) return RsTile{-1, 0};
@@ -471,7 +475,7 @@ __device__ void produce_rs_tiles(const DecodeAttention& a, const TileMaps& maps,
     // thread's loads) is off the first tiles' path, and before this CTA's first claim
     // (tile_at(own - 1), at t = own - 2).
     if (t == min(kRsStages - 1, own - 3) && own_open && thread == 0)
-      open_claims(a.claim_record(me, b, int64_t(blockIdx.y) * kTileRows));
+      open_claims(rs_record(a, me));
     tile = following, rows[0] = next[0], rows[1] = next[1];
   }
 }

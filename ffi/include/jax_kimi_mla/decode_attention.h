@@ -24,8 +24,8 @@ inline constexpr int kMaxSplits = 1024;            // = _checks.MAX_SPLITS
 
 // A split's claim record: the tiles at the end of a split (its last quarter) that any split of the
 // same sequence may take once it is done with its own, so that the sequence's splits end together
-// (rs_attention_kernel). The owner opens the record at its start (claimed = 0, then open =
-// kClaimOpen) and closes it (open = 0) once its own claim fails; a claim is an atomic add on
+// (rs_attention_kernel). The owner opens the record early in its run, before its first claim
+// (claimed = 0, then open = kClaimOpen), and closes it (open = 0) once its own claim fails; a claim is an atomic add on
 // claimed, valid while below the split's count of such tiles. The scratch holds garbage at a call's
 // start: a record counts as open only with the 64-bit tag that its owner writes in this call, and
 // every owner closes its record before its kernel ends.
@@ -93,9 +93,10 @@ struct DecodeAttention : PagedCache {
 // How the CUDA handler launches a call, from the optional attributes `kernel` (string: "auto",
 // the default, or a kernel asked for where it applies: decode_attention_cuda.cu, choose_kernel)
 // `programmatic_combine` (bool, default true: combine_kernel starts as a programmatic dependent of
-// the attention kernel) and `balance_splits` (bool, default true: a sequence's splits share out
-// their last tiles at run time, where the scratch has room for the claims; false: each split takes
-// exactly its tiles, so that results repeat bit for bit). The CPU handler checks and ignores them.
+// the attention kernel) and `balance_splits` (bool, default true: where rs_attention_kernel's
+// splits merge in combine_kernel and the scratch has room for the claims, a sequence's splits share
+// out their last tiles at run time; false: each split takes exactly its tiles, so that results
+// repeat bit for bit). The CPU handler checks and ignores them.
 // Host.
 enum class KernelRequest : uint8_t { kAuto, kMma, kRs, kRsCombine, kWide };
 struct DecodeLaunch {
