@@ -968,6 +968,21 @@ __device__ __forceinline__ void store_out_piece(const DecodeAttention& a, const 
   }
 }
 
+// Rows [0, kRows) of the CTA's staging (kStagingStride floats apart) to out or the CTA's partial
+// slot, a piece of 8 values a step over kThreads threads; rows from `rows` on are padding (last),
+// not stored.
+template <int kRows, int kThreads>
+__device__ __forceinline__ void store_staged_rows(const DecodeAttention& a, const Work& w, int64_t rows,
+                                                  const float* staging, int tid) {
+  constexpr int kPieces = kLatent / 8;  // 8 values (16 bytes out, 32 bytes partial) per piece
+  for (int i = tid; i < kRows * kPieces; i += kThreads) {
+    const int row = i / kPieces, col = 8 * (i % kPieces);
+    const int64_t r = w.row0 + row;
+    if (r >= rows) break;
+    store_out_piece(a, w, r, col, staging + row * kStagingStride + col);
+  }
+}
+
 // The lse (natural log) of query row r of the CTA's sequence: to lse, or to its partial slot.
 __device__ __forceinline__ void store_lse(const DecodeAttention& a, const Work& w, int64_t r, float lse) {
   if (w.slot < 0) a.lse[w.b * a.rows() + r] = lse;
@@ -1010,13 +1025,7 @@ __device__ __forceinline__ void write_rows(const DecodeAttention& a, const Work&
     }
   }
   __syncthreads();
-  constexpr int kPieces = kLatent / 8;  // 8 values (16 bytes out, 32 bytes partial) per piece
-  for (int i = int(threadIdx.x); i < kTileRows * kPieces; i += kThreads) {
-    const int row = i / kPieces, col = 8 * (i % kPieces);
-    const int64_t r = w.row0 + row;
-    if (r >= rows) break;  // padding rows are last
-    store_out_piece(a, w, r, col, staging + row * kStagingStride + col);
-  }
+  store_staged_rows<kTileRows, kThreads>(a, w, rows, staging, int(threadIdx.x));
 }
 
 }  // namespace

@@ -880,13 +880,7 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
                          reinterpret_cast<float*>(smem + L::kP));
     return;
   }
-  constexpr int kPieces = kLatent / 8;
-  for (int i = tid; i < kTileRows * kPieces; i += kThreads) {
-    const int row = i / kPieces, col = 8 * (i % kPieces);
-    const int64_t r = w.row0 + row;
-    if (r >= rows) break;  // padding rows are last
-    store_out_piece(a, w, r, col, staging + row * kStagingStride + col);
-  }
+  store_staged_rows<kTileRows, kThreads>(a, w, rows, staging, tid);
 }
 
 // One sequence a CTA: grid (splits, row groups, B <= 65535).

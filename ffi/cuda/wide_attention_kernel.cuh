@@ -244,12 +244,7 @@ __device__ void attend_wide(const DecodeAttention& a, const TileMaps& maps, int6
     }
   }
   __syncthreads();
-  for (int i = int(threadIdx.x); i < kWideRows * (kLatent / 8); i += kWideThreads) {
-    const int row = i / (kLatent / 8), col = 8 * (i % (kLatent / 8));
-    const int64_t r = w.row0 + row;
-    if (r >= rows) break;  // padding rows are last
-    store_out_piece(a, w, r, col, staging + row * kStagingStride + col);
-  }
+  store_staged_rows<kWideRows, kWideThreads>(a, w, rows, staging, int(threadIdx.x));
 }
 
 template <ActType kElem>
