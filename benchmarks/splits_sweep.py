@@ -2,10 +2,15 @@
 
     python -P benchmarks/splits_sweep.py                      # the default grid (GPU)
     python -P benchmarks/splits_sweep.py bf16:1:4096:12 --splits 1,8,16,32,64
+    python -P benchmarks/splits_sweep.py bf16:32:32768:12:17  # a serving batch: 17 live rows of 32
 
-Each case is FORMAT:B:CONTEXT:H (S_q = 1, block size 64, inputs as bench_attention.py builds
-them); each line prints the device time per call (kernels summed, median over calls) for every
-split count, and marks the op's default.
+Each case is FORMAT:B:CONTEXT:H[:LIVE] (S_q = 1, block size 64, inputs as bench_attention.py
+builds them, tables CONTEXT tokens wide). With LIVE, only LIVE rows (at random places) hold a
+sequence, of a random length in [256, CONTEXT], and the others are padding (length 0), as in a
+serve loop's fixed-size decode batch; else every sequence is CONTEXT tokens long. Each line prints,
+for every split count, the device time per call (median over calls: the span from the first
+kernel's start to the last one's end, which counts the combine's programmatic launch once, then
+the kernels summed), and marks the op's default.
 """
 
 from __future__ import annotations
@@ -14,11 +19,25 @@ import argparse
 import functools
 
 import jax
+import numpy as np
 
 from jax_kimi_mla import _device, _profile, _workloads, ops
 
 DEFAULT_CASES = ["bf16:1:4096:12", "bf16:1:32768:12", "bf16:4:16384:12", "bf16:8:32768:12",
                  "fp8_ds_mla:1:4096:12", "bf16:16:16384:12", "bf16:64:16384:12"]
+
+
+def case_inputs(case: str):
+    """(format, B, context, H, attention_inputs' list) of a case FORMAT:B:CONTEXT:H[:LIVE]."""
+    fmt, batch, context, heads, *live = case.split(":")
+    batch, context, heads = int(batch), int(context), int(heads)
+    args = _workloads.attention_inputs(fmt, batch, context, heads)
+    if live:
+        rng = np.random.default_rng(1)
+        lens = np.zeros(batch, np.int32)
+        lens[: int(live[0])] = rng.integers(min(256, context), context + 1, int(live[0]))
+        args[3] = jax.numpy.asarray(rng.permutation(lens))
+    return fmt, batch, context, heads, args
 
 
 def main(argv=None) -> None:
@@ -29,9 +48,7 @@ def main(argv=None) -> None:
     opts = parser.parse_args(argv)
     sm_count = _device.sm_count()
     for case in opts.cases:
-        fmt, batch, context, heads = case.split(":")
-        batch, context, heads = int(batch), int(context), int(heads)
-        args = _workloads.attention_inputs(fmt, batch, context, heads)
+        fmt, batch, context, heads, args = case_inputs(case)
         cache_dtype = jax.numpy.bfloat16 if fmt == "bf16" else jax.numpy.uint8  # the rule needs 16 bits or not
         default = ops.default_num_splits(batch, heads, context, sm_count, ops._decode_rows_per_cta(cache_dtype, batch, 1, heads))
         cells = []
@@ -42,7 +59,7 @@ def main(argv=None) -> None:
             step = _workloads.attention_step(fn, fmt)
             jax.block_until_ready(step(*args))
             t = _profile.device_time_per_call(step, args, {}, opts.calls)
-            us = f"{t.seconds * 1e6:.1f}" if t else "-"
+            us = f"{(t.span_seconds or t.seconds) * 1e6:.1f} ({t.seconds * 1e6:.1f})" if t else "-"
             cells.append(f"{splits}{'*' if splits == default else ''}: {us}")
         print(f"{case:>22}  " + "  ".join(cells), flush=True)
 

@@ -26,7 +26,9 @@ writes + activations, each moved once, over the bandwidth of a jitted copy measu
 run; prefill is compute-bound, so its floor is a lower bound only). A progress bar goes to stderr.
 Then it checks every generated token against the same model run without cache or fused ops
 (float32, the whole sequence at once): it must be that model's greedy choice, up to a small margin
-(PASS, or an AssertionError).
+(PASS, or an AssertionError). On a GPU it last runs its busiest decode step again under the
+profiler and prints that step's device time against its HBM floor (the wall times above also hold
+the host's share of each step: the inputs' transfers, the dispatch, the wait for the sampled tokens).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_kimi_mla
+from jax_kimi_mla import _profile  # the benchmarks' profiler-trace timing (device time of a jitted step)
 from jax_kimi_mla import layer as mla
 from jax_kimi_mla.formats import CACHE_FORMATS
 
@@ -199,6 +202,7 @@ class Server:
         self.entry_bytes = CACHE_FORMATS[cache_format].entry_bytes()
         # Per step kind: wall seconds, bytes one layer must move (the HBM floor's numerator), steps.
         self.timing = {kind: {"s": 0.0, "bytes": 0, "steps": 0} for kind in ("prefill", "decode")}
+        self.busiest_decode = None  # (requests, inputs, bytes one layer moves) of the timed decode step of most requests
 
     def slots(self, req, start, n):
         pos = np.arange(start, start + n)
@@ -258,7 +262,10 @@ class Server:
         out, self.kv_cache = self.decode_step(self.params, tokens, positions, slots, tables, lens, self.kv_cache)
         out = np.asarray(out)
         if timed:
-            self._account("decode", time.perf_counter() - t, int(lens.sum()) * self.entry_bytes + 2 * b * self.args.hidden * 2)
+            layer_bytes = int(lens.sum()) * self.entry_bytes + 2 * b * self.args.hidden * 2
+            self._account("decode", time.perf_counter() - t, layer_bytes)
+            if self.busiest_decode is None or len(running) >= self.busiest_decode[0]:
+                self.busiest_decode = (len(running), (tokens, positions, slots, tables, lens), layer_bytes)
         for req, token in zip(running, out):
             req.generated.append(int(token))
 
@@ -324,6 +331,22 @@ class Server:
                                                  self.kv_cache, rows)
         self.allocator.release(req.blocks)
         jax.block_until_ready(self.kv_cache)
+
+    def decode_device_seconds(self, calls=5):
+        """Device seconds of the busiest timed decode step (the median span of ``calls`` runs of it
+        again under the profiler, the cache donated as in serving): the step without the host's
+        share of the wall time (the inputs' transfers, the dispatch, the wait for the sampled
+        tokens). None where there is no device time (CPU)."""
+        if self.busiest_decode is None or jax.devices()[0].platform != "gpu":
+            return None
+        args = [self.params, *(jnp.asarray(x) for x in self.busiest_decode[1]), self.kv_cache]
+        timed = _profile.device_time_per_call(self.decode_step, args, {6: 1}, calls)
+        self.kv_cache = args[6]
+        # The span (first kernel's start to last one's end): the decode attention's combine starts
+        # as a programmatic dependent while the attention kernel runs, so summed durations count
+        # that overlap twice.
+        return None if timed is None else timed.span_seconds or timed.seconds
+
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def reference_logits(params, tokens, cos_sin_cache, *, config):
@@ -458,6 +481,14 @@ def serve_one_format(args, cache_format, bandwidth):
     worst, checked = check_against_reference(server, finished, args.check_margin, args.check_max_tokens)
     print(f"  check ({checked} of {len(finished)} requests): every generated token is the reference model's greedy choice "
           f"within {worst:.3f} logit std (margin {args.check_margin}): PASS", flush=True)
+    device_s = server.decode_device_seconds()
+    if device_s is not None:
+        requests_in_step, _, layer_bytes = server.busiest_decode
+        embed = server.params["embed"]
+        floor = (args.layers * (server.layer_weight_bytes + layer_bytes) + embed.size * embed.dtype.itemsize) / bandwidth
+        print(f"  decode step on the device: {device_s * 1e6:.0f} us against an HBM floor of {floor * 1e6:.0f} us "
+              f"({device_s / floor:.1f}x; the busiest step, {requests_in_step} requests, run again under the profiler; "
+              f"all {args.layers} layers, the embedding read for the logits included)", flush=True)
 
 
 def main(argv=None):
