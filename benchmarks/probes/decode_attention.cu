@@ -236,15 +236,18 @@ int run_case(const Case& k, std::mt19937& rng) {
   std::vector<std::vector<uint16_t>> out(kKernels);
   std::vector<std::vector<float>> lse(kKernels);
   std::vector<float> us(kKernels);
-  const auto choose = [](const std::string& name) {
+  const std::string kFixed = "-fixed";
+  const auto fixed = [&](const std::string& name) {
+    return name.size() > kFixed.size() && name.compare(name.size() - kFixed.size(), kFixed.size(), kFixed) == 0;
+  };
+  const auto choose = [&](const std::string& name) {
     DecodeLaunch launch;  // "default" (or an unknown name): the kernel that suits the call
-    kernel_request(name.substr(0, name.rfind("-fixed")), launch.kernel);
+    kernel_request(fixed(name) ? name.substr(0, name.size() - kFixed.size()) : name, launch.kernel);
     return launch;
   };
   for (int kernel = 0; kernel < kKernels; ++kernel) {
     const DecodeLaunch launch = choose(kernels[kernel]);
-    const std::string& name = kernels[kernel];
-    a.claims = name.size() > 6 && name.compare(name.size() - 6, 6, "-fixed") == 0 ? nullptr : claims;
+    a.claims = fixed(kernels[kernel]) ? nullptr : claims;
     cudaMemset(d_out, 0xFF, out_elems * 2);
     if (ffi::Error e = run(nullptr, a, launch); e.failure() || !ok(cudaDeviceSynchronize(), "attention")) {
       std::printf("run failed\n");

@@ -25,8 +25,8 @@ inline constexpr int kMaxSplits = 1024;            // = _checks.MAX_SPLITS
 // A split's claim record: the tiles at the end of a split (its last quarter) that any split of the
 // same sequence may take once it is done with its own, so that the sequence's splits end together
 // (rs_attention_kernel). The owner opens the record early in its run, before its first claim
-// (claimed = 0, then open = kClaimOpen), and closes it (open = 0) once its own claim fails; a claim is an atomic add on
-// claimed, valid while below the split's count of such tiles. The scratch holds garbage at a call's
+// (claimed = 0, then open = kClaimOpen), and closes it (open = 0) once its own claim fails; a
+// claim is an atomic add on claimed, valid while below the split's count of such tiles. The scratch holds garbage at a call's
 // start: a record counts as open only with the 64-bit tag that its owner writes in this call, and
 // every owner closes its record before its kernel ends.
 struct alignas(16) SplitClaim {
