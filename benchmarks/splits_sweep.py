@@ -7,10 +7,11 @@
 Each case is FORMAT:B:CONTEXT:H[:LIVE] (S_q = 1, block size 64, inputs as bench_attention.py
 builds them, tables CONTEXT tokens wide). With LIVE, only LIVE rows (at random places) hold a
 sequence, of a random length in [256, CONTEXT], and the others are padding (length 0), as in a
-serve loop's fixed-size decode batch; else every sequence is CONTEXT tokens long. Each line prints,
-for every split count, the device time per call (median over calls: the span from the first
+serve loop's fixed-size decode batch; else every sequence is CONTEXT tokens long. Each line prints
+the op's default first where it splits by work (ops.split_plan: "G by work of W"), then for every
+split count by count, the device time per call (median over calls: the span from the first
 kernel's start to the last one's end, which counts the combine's programmatic launch once, then
-the kernels summed), and marks the op's default.
+the kernels summed); "*" marks default_num_splits where the op splits by count.
 """
 
 from __future__ import annotations
@@ -50,18 +51,26 @@ def main(argv=None) -> None:
     for case in opts.cases:
         fmt, batch, context, heads, args = case_inputs(case)
         cache_dtype = jax.numpy.bfloat16 if fmt == "bf16" else jax.numpy.uint8  # the rule needs 16 bits or not
-        default = ops.default_num_splits(batch, heads, context, sm_count, ops._decode_rows_per_cta(cache_dtype, batch, 1, heads))
+        rows_per_cta = ops._decode_rows_per_cta(cache_dtype, batch, 1, heads)
+        default = ops.default_num_splits(batch, heads, context, sm_count, rows_per_cta)
+        grid, work = ops.split_plan(batch, heads, context, sm_count, rows_per_cta)
         cells = []
+        if work:
+            cells.append(f"{grid} by work of {work}: {device_us(ops.mla_decode_attention, fmt, args, opts.calls)}")
         for splits in sorted({int(s) for s in opts.splits.split(",")} | {default}):
             if splits > -(-context // 64):
                 continue
-            fn = functools.partial(ops.mla_decode_attention, num_splits=splits)
-            step = _workloads.attention_step(fn, fmt)
-            jax.block_until_ready(step(*args))
-            t = _profile.device_time_per_call(step, args, {}, opts.calls)
-            us = f"{(t.span_seconds or t.seconds) * 1e6:.1f} ({t.seconds * 1e6:.1f})" if t else "-"
-            cells.append(f"{splits}{'*' if splits == default else ''}: {us}")
+            us = device_us(functools.partial(ops.mla_decode_attention, num_splits=splits), fmt, args, opts.calls)
+            cells.append(f"{splits}{'*' if splits == default and not work else ''}: {us}")
         print(f"{case:>22}  " + "  ".join(cells), flush=True)
+
+
+def device_us(fn, fmt, args, calls) -> str:
+    """'span (summed)' device us per call of fn's jitted step, or '-' without device time."""
+    step = _workloads.attention_step(fn, fmt)
+    jax.block_until_ready(step(*args))
+    t = _profile.device_time_per_call(step, args, {}, calls)
+    return f"{(t.span_seconds or t.seconds) * 1e6:.1f} ({t.seconds * 1e6:.1f})" if t else "-"
 
 
 if __name__ == "__main__":

@@ -93,9 +93,11 @@ class Request:
 
 
 def init_model(key, config, num_layers, vocab):
+    """The embedding and the layers' params, a list of per-layer ones: scan_layers then reads each
+    layer's weights in place (from a stack, its scan copies them out every step)."""
     k_embed, k_layers = jax.random.split(key)
     embed = jax.random.normal(k_embed, (vocab, config.hidden_size), jnp.float32).astype(config.dtype)
-    return {"embed": embed, "layers": mla.init_params(k_layers, config, num_layers)}
+    return {"embed": embed, "layers": mla.unstack_layers(mla.init_params(k_layers, config, num_layers))}
 
 
 def logits_of(params, h, config):
@@ -354,8 +356,7 @@ def reference_logits(params, tokens, cos_sin_cache, *, config):
     residual around each) over a whole sequence -> logits [len(tokens), vocab]."""
     h = params["embed"][tokens].astype(jnp.float32)
     positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
-    for i in range(jax.tree.leaves(params["layers"])[0].shape[0]):
-        layer_params = jax.tree.map(lambda a, i=i: a[i], params["layers"])
+    for layer_params in params["layers"]:
         h = h + mla.reference_attention(layer_params, h, positions, config=config, cos_sin_cache=cos_sin_cache)
     return logits_of(params, h, config)
 
@@ -367,7 +368,8 @@ def check_against_reference(server, finished, margin, max_tokens=None):
     ``max_tokens`` are left out (the reference's attention is dense). Returns (worst shortfall,
     requests checked)."""
     ref_config = dataclasses.replace(server.config, cache_format="bf16")
-    ref_params = {"embed": server.params["embed"], "layers": {k: v for k, v in server.params["layers"].items() if k != "fp8_scale_inv"}}
+    ref_params = {"embed": server.params["embed"],
+                  "layers": [{k: v for k, v in p.items() if k != "fp8_scale_inv"} for p in server.params["layers"]]}
     worst, checked = 0.0, 0
     for req in finished:
         fed = np.concatenate([req.prompt, np.asarray(req.generated[:-1], np.int32)])

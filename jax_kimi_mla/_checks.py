@@ -327,6 +327,7 @@ class AttentionCall:
     kernel: str = "auto"
     programmatic_combine: bool = True
     balance_splits: bool = True
+    split_by_work: bool = True
 
     @property
     def out_dtype(self):
@@ -364,7 +365,7 @@ def reader_cache(kv_cache, fmt: CacheFormat, act, why: str):
 
 
 def decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale, ds_mla, q_scale_inv, cache_scale_inv, num_splits,
-                     return_lse, kernel="auto", programmatic_combine=True, balance_splits=True) -> AttentionCall:
+                     return_lse, kernel="auto", programmatic_combine=True, balance_splits=True, split_by_work=True) -> AttentionCall:
     """Checks an mla_decode_attention call and picks its cache format."""
     q = as_array("mqa_q", mqa_q)
     expect_dtype("mqa_q", q, (*ACT_DTYPES, FP8))
@@ -382,6 +383,7 @@ def decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale,
         raise ValueError(f"kernel must be one of {', '.join(map(repr, DECODE_KERNELS))}, got {kernel!r}")
     static_bool("programmatic_combine", programmatic_combine)
     static_bool("balance_splits", balance_splits)
+    static_bool("split_by_work", split_by_work)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or not 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits must be None (chosen from the sizes) or an int in [1, {MAX_SPLITS}], got {num_splits!r}")
     kv_cache = as_array("kv_cache", kv_cache)
@@ -410,6 +412,7 @@ def decode_attention(mqa_q, kv_cache, block_tables, context_lens, softmax_scale,
         kernel=kernel,
         programmatic_combine=bool(programmatic_combine),
         balance_splits=bool(balance_splits),
+        split_by_work=bool(split_by_work),
     )
 
 
@@ -538,10 +541,15 @@ def layer_weight_dtypes(params, names, dtype) -> None:
 
 def layer_stack(params, kv_cache) -> int:
     """scan_layers' stacks: a [layers, N, bs, W] cache and params with as many layers (the leading
-    axis of every leaf, as init_params(..., num_layers=layers) makes them). Returns layers."""
+    axis of every leaf, as init_params(..., num_layers=layers) makes them, or a list of that many
+    layers' params, which the step checks). Returns layers."""
     shape = tuple(jnp.shape(kv_cache))
     if len(shape) != 4:
         raise ValueError(f"scan_layers needs a stacked kv_cache [layers, num_blocks, block_size, W], got shape {shape}")
+    if isinstance(params, (list, tuple)):
+        if len(params) != shape[0]:
+            raise ValueError(f"params is a list of {len(params)} layers' params, but kv_cache holds {shape[0]} layers (shape {shape})")
+        return shape[0]
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         if jnp.shape(leaf)[:1] != shape[:1]:
             raise ValueError(f"params{jax.tree_util.keystr(path)} has shape {tuple(jnp.shape(leaf))}, but scan_layers needs the "

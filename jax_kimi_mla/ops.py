@@ -267,9 +267,38 @@ def default_num_splits(batch: int, rows: int, max_len: int, sm_count: int, rows_
     return next((s for s in range(1, most + 1) if use(s) >= 0.9), max(range(1, most + 1), key=use))
 
 
+# Splits by work: how many times default_num_splits a long sequence of a ragged batch may take
+# (the grid's splits beyond what the lengths use start, find nothing and end: about 2 us of an
+# SM's time each), and the tiles a planned split must hold for that to pay (H100: calls with
+# splits of 4-8 tiles ran 9-16% slower by work, of 32 and more within 1%;
+# docs/DECODE_ATTENTION.md, Thirty-second round).
+SPLIT_HEADROOM = 4
+SPLIT_BY_WORK_MIN_TILES = 16
+
+
+def split_plan(batch: int, rows: int, max_len: int, sm_count: int, rows_per_cta: int = ROWS_PER_CTA,
+               split_by_work: bool = True) -> tuple[int, int]:
+    """(num_splits, work_splits) of a call that leaves its split count to the op. With
+    ``split_by_work`` and more than one split, the batch's default_num_splits x B splits are shared
+    out by the sequences' lengths at run time (every split at least the batch's summed lengths over
+    them): a uniform batch is cut as before, a ragged or padded one gives its long sequences more
+    splits (the grid: up to SPLIT_HEADROOM times as many, at most a split a 64-token tile) and its
+    short ones fewer. Else, where a planned split of the table holds fewer than
+    SPLIT_BY_WORK_MIN_TILES tiles, or where the grid has no room above the plan (one sequence),
+    (default_num_splits, 0): every sequence cut into that many."""
+    planned = default_num_splits(batch, rows, max_len, sm_count, rows_per_cta)
+    tiles = -(-max_len // SPLIT_TOKENS)
+    # A batch's longest sequence takes at most all of its B x planned splits.
+    grid = min(SPLIT_HEADROOM * planned, batch * planned, tiles, _checks.MAX_SPLITS)
+    long_splits = tiles >= SPLIT_BY_WORK_MIN_TILES * planned
+    # One split (the batch fills the GPU: no combine launch), short splits, or no room above the
+    # plan (one sequence; a split a tile already): splits by count.
+    return (grid, planned) if split_by_work and long_splits and 1 < planned < grid else (planned, 0)
+
+
 def mla_decode_attention(
     mqa_q, kv_cache, block_tables, context_lens, *, softmax_scale, ds_mla=False, q_scale_inv=None, cache_scale_inv=None, return_lse=False, num_splits=None,
-    kernel="auto", programmatic_combine=True, balance_splits=True,
+    kernel="auto", programmatic_combine=True, balance_splits=True, split_by_work=True,
 ):
     """Paged MLA decode attention: the absorbed query over the latent cache, in one call.
 
@@ -289,8 +318,12 @@ def mla_decode_attention(
       q_scale_inv, cache_scale_inv: float32 scalars of the plain fp8 format (the reciprocals of
         the per-tensor scales the epilogues quantized with).
       return_lse: also return the log-sum-exp of the scaled scores.
-      num_splits: the split-KV count of the CUDA kernel (static); None chooses it from the sizes
-        and the GPU. Results do not depend on it beyond float rounding (the CPU handler ignores it).
+      num_splits: the split-KV count of the CUDA kernel (static): every sequence's context cut
+        into that many parts. None chooses it from the sizes and the GPU and, with
+        ``split_by_work`` (a static bool, default True), shares the splits out by the sequences'
+        lengths at run time (:func:`split_plan`: a padded, ragged batch's long sequences take more
+        splits, its short ones fewer). Results do not depend on either beyond float rounding (the
+        CPU handler ignores both).
       kernel, programmatic_combine, balance_splits: for comparisons and tests (static; the CPU
         handler and the reference check and ignore them). ``kernel`` is "auto" (the kernel that
         suits the call), or one asked for where it applies (docs/DECODE_ATTENTION.md, "Kernels
@@ -322,14 +355,16 @@ def mla_decode_attention(
     """
     c = _checks.decode_attention(
         mqa_q, kv_cache, block_tables, context_lens, softmax_scale, ds_mla, q_scale_inv, cache_scale_inv, num_splits, return_lse, kernel,
-        programmatic_combine, balance_splits)
+        programmatic_combine, balance_splits, split_by_work)
     if _device.gpu_before_hopper():  # the documented fallback: the jnp reference, same contract
         return reference.mla_decode_attention(
             mqa_q, kv_cache, block_tables, context_lens, softmax_scale=softmax_scale, ds_mla=ds_mla,
             q_scale_inv=q_scale_inv, cache_scale_inv=cache_scale_inv, return_lse=return_lse)
     B, S, H = c.q.shape[:3]
     max_len = c.block_tables.shape[1] * c.kv_cache.shape[1]
-    splits = c.num_splits or default_num_splits(B, S * H, max_len, _device.sm_count(), _decode_rows_per_cta(c.kv_cache.dtype, B, S, H, c.kernel))
+    splits, work_splits = (c.num_splits, 0) if c.num_splits else split_plan(
+        B, S * H, max_len, _device.sm_count(), _decode_rows_per_cta(c.kv_cache.dtype, B, S, H, c.kernel), c.split_by_work)
+    by_work = {"work_splits": np.int64(work_splits)} if work_splits else {}  # absent: lowers as before it existed
     scales = [_reader_scale(c.q_scale_inv), _reader_scale(c.cache_scale_inv)]
     partials = (splits * B * S * H * PARTIAL_ROW_FLOATS,) if splits > 1 else (0,)
     # The FFI query is [B * S_q, H, 576]: the decode epilogue's mqa_q as it comes.
@@ -342,7 +377,7 @@ def mla_decode_attention(
             jax.ShapeDtypeStruct(partials, jnp.float32),
         ],
         {},
-        {"softmax_scale": np.float32(c.softmax_scale), "q_tokens": np.int64(S), "num_splits": np.int64(splits), **c.launch_attributes},
+        {"softmax_scale": np.float32(c.softmax_scale), "q_tokens": np.int64(S), "num_splits": np.int64(splits), **by_work, **c.launch_attributes},
         fold=_batching.decode_attention,
     )
     lead = (B,) if c.squeeze else (B, S)

@@ -157,12 +157,12 @@ def _dequantized_entries(c, rows):
 
 def mla_decode_attention(
     mqa_q, kv_cache, block_tables, context_lens, *, softmax_scale, ds_mla=False, q_scale_inv=None, cache_scale_inv=None, return_lse=False, num_splits=None,
-    kernel="auto", programmatic_combine=True, balance_splits=True,
+    kernel="auto", programmatic_combine=True, balance_splits=True, split_by_work=True,
 ):
     """Reference of :func:`jax_kimi_mla.mla_decode_attention`: every table slot's entry gathered
     as float32 [B, max_blocks * block_size, 576], then two einsums (``num_splits``, ``kernel``,
-    ``programmatic_combine`` and ``balance_splits``, which choose how the CUDA kernel runs, are
-    checked and ignored).
+    ``programmatic_combine``, ``balance_splits`` and ``split_by_work``, which choose how the CUDA
+    kernel runs, are checked and ignored).
 
     A token that a query does not see (past its visible length, or with a block id outside
     [0, num_blocks)) is zeroed before that query's einsums, so garbage and NaN there never reach
@@ -170,7 +170,7 @@ def mla_decode_attention(
     """
     c = _checks.decode_attention(
         mqa_q, kv_cache, block_tables, context_lens, softmax_scale, ds_mla, q_scale_inv, cache_scale_inv, num_splits, return_lse, kernel,
-        programmatic_combine, balance_splits)
+        programmatic_combine, balance_splits, split_by_work)
     B, S = c.q.shape[:2]
     num_blocks, block_size = c.kv_cache.shape[:2]
     q = c.q.astype(jnp.float32)

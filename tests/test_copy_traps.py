@@ -293,12 +293,15 @@ def test_scan_layers_and_serve_loop_steps_copy_nothing(fmt, rope):
     check_no_copies(hlo, [cache.shape], [(T, H, 192)])
     hlo = compiled(decode, params, tokens[:2], positions[:2], slots[:2], tables, jnp.array([1, 2], jnp.int32), cache)
     check_no_copies(hlo, [cache.shape], [(2, H, 512), (2, H, 576)])
+    assert " while(" not in hlo, "the serve loop's layers are a list of per-layer params: no scan slicing a stack of weights"
 
     step = jax.jit(lambda p, x, c, *a: mla.scan_layers(functools.partial(mla.decode, config=config), p, x, c, *a, cos_sin_cache=cos_sin),
                    donate_argnums=2)
     x = _normal(jax.random.key(6), (2, 128))
-    hlo = compiled(step, params["layers"], x, cache, positions[:2], slots[:2], tables, jnp.array([1, 2], jnp.int32))
-    check_no_copies(hlo, [cache.shape], [(2, H, 512), (2, H, 576)])
+    stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *params["layers"])
+    for layer_params in (stacked, params["layers"]):
+        hlo = compiled(step, layer_params, x, cache, positions[:2], slots[:2], tables, jnp.array([1, 2], jnp.int32))
+        check_no_copies(hlo, [cache.shape], [(2, H, 512), (2, H, 576)])
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_ds_mla"])

@@ -257,6 +257,21 @@ def test_default_split_count_fills_the_gpu():
     assert not wide(jnp.bfloat16, 4, 2, 12, "wide") and not wide(jnp.uint8, 4, 1, 12, "wide") and wide(jnp.bfloat16, 1, 1, 64, "rs")
 
 
+def test_split_plan_shares_the_default_count_out_by_work():
+    plan = jax_kimi_mla.ops.split_plan
+    # A serve loop's decode batch (B 32, tables of 514 blocks of 64): 4 splits a sequence on
+    # average, a long one up to 16 of them.
+    assert plan(32, 12, 32896, 132) == (16, 4)
+    assert plan(32, 12, 32896, 132, split_by_work=False) == (4, 0)
+    assert plan(64, 12, 16384, 132) == (8, 2)
+    assert plan(4096, 12, 16384, 132) == (1, 0)  # one split: nothing to share out
+    assert plan(64, 12, 16384, 0) == (1, 0)  # no GPU
+    assert plan(1, 12, 32768, 132) == (126, 0)  # one sequence: nothing to share out
+    assert plan(2, 12, 65536, 132) == (126, 63)  # the longer of two takes at most their 2 x 63
+    assert plan(3, 12, 4096, 132) == (42, 0)  # splits of 2 tiles: by count
+    assert plan(8, 12, 32768, 132) == (64, 16)  # 32 tiles a split
+
+
 def test_launch_choices_reach_the_handler_only_when_asked():
     """kernel=, programmatic_combine= and balance_splits= become FFI attributes only where they
     differ from their defaults (a default call lowers as before they existed); the CPU handler
@@ -282,6 +297,14 @@ def test_launch_choices_reach_the_handler_only_when_asked():
     unbalanced = dict(kw, num_splits=3, balance_splits=False)
     assert_close("bf16", "bfloat16", run(jax_kimi_mla.mla_decode_attention, args, unbalanced, "cpu"),
                  run(reference.mla_decode_attention, args, unbalanced, "cpu"))
+    # Splits by work (a GPU's split plan; none on the CPU) are the attribute work_splits.
+    assert "work_splits" not in default
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(jax_kimi_mla.ops, "split_plan", lambda *a, **k: (5, 2))
+        assert "num_splits = 5 : i64" in custom_call() and "work_splits = 2 : i64" in custom_call()
+        got = run(jax_kimi_mla.mla_decode_attention, args, kw, "cpu")
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
     # Under jax.vmap the folded call keeps the choice.
     batched = {name: np.stack([x, x]) for name, x in args.items()}
     folded = jax.jit(jax.vmap(lambda *a: jax_kimi_mla.mla_decode_attention(*a, **kw, kernel="mma", return_lse=True)))
@@ -403,6 +426,41 @@ def test_cuda_balanced_and_unbalanced_splits(fmt, q_dtype, lens, num_splits):
     again = poisoned_run(args, dict(kw, balance_splits=False), "cuda")
     for got, first in zip(again, unbalanced, strict=True):
         np.testing.assert_array_equal(got, first)
+
+
+# Splits by work (ops.split_plan, here patched to the plans below: the grid's num_splits, and the
+# splits a sequence has on average): a padded, ragged batch, each split at least the batch's summed
+# lengths over B x work_splits tokens, so the long sequences take up to num_splits splits and the
+# short ones fewer; every kernel, rs_attention_kernel by its combine (no cluster) and by the
+# tail-sharing claims.
+BY_WORK_LENS = (0, 9000, 1, 0, 300, 65, 4096, 0, 2500, 129)
+BY_WORK_CASES = (("bf16", "bfloat16", "mma", 1, 12), ("bf16", "bfloat16", "mma", 2, 12), ("bf16", "bfloat16", "wide", 1, 64),
+                 ("fp8", "float8_e4m3fn", "auto", 1, 12), ("fp8", "bfloat16", "auto", 1, 12),
+                 ("fp8", "float8_e4m3fn", "rs", 1, 12), ("fp8_ds_mla", "bfloat16", "auto", 1, 12),
+                 ("fp8_ds_mla", "bfloat16", "mma", 1, 12))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("plan", ((16, 4), (8, 1), (4, 4), (40, 3)), ids=lambda p: f"{p[0]}by{p[1]}")
+@pytest.mark.parametrize("fmt,q_dtype,kernel,q_tokens,heads", BY_WORK_CASES)
+def test_cuda_splits_by_work(monkeypatch, fmt, q_dtype, kernel, q_tokens, heads, plan):
+    args, kw = make_case(fmt, q_dtype, lens=BY_WORK_LENS, q_tokens=q_tokens, heads=heads, block_size=64, seed=16)
+    kw = dict(kw, kernel=kernel)
+    monkeypatch.setattr(jax_kimi_mla.ops, "split_plan", lambda *a, **k: plan)
+    assert_close(fmt, q_dtype, poisoned_run(args, kw, "cuda"), run(reference.mla_decode_attention, args, kw, "cpu"))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt,q_dtype,kernel", (("bf16", "bfloat16", "mma"), ("fp8_ds_mla", "bfloat16", "rs-combine")))
+def test_cuda_splits_by_work_cut_a_uniform_batch_as_by_count(monkeypatch, fmt, q_dtype, kernel):
+    """Sequences of one length: 16 splits by work of 4 on average are the 4 splits by count, bit
+    for bit (the spare splits of the grid stay empty)."""
+    args, kw = make_case(fmt, q_dtype, lens=(5000,) * 6, heads=12, block_size=64, seed=17)
+    kw = dict(kw, kernel=kernel, balance_splits=False)
+    by_count = poisoned_run(args, dict(kw, num_splits=4), "cuda")
+    monkeypatch.setattr(jax_kimi_mla.ops, "split_plan", lambda *a, **k: (16, 4))
+    for got, want in zip(poisoned_run(args, kw, "cuda"), by_count, strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.cuda
@@ -528,7 +586,7 @@ def test_cuda_rs_splits_merged_in_a_cluster(fmt, q_dtype, kernel, num_splits, he
                                                  ("fp8", "float8_e4m3fn", "auto"), ("fp8_ds_mla", "bfloat16", "auto")))
 def test_cuda_more_sequences_than_grid_z(fmt, q_dtype, kernel, num_splits):
     """B = 65535 + 45: attention_kernel, wide_attention_kernel and fp8_attention_kernel (the kernels
-    of such a batch) take the sequences past grid z's 65535 as a second wave of splits in grid x,
+    of such a batch) take the sequences past grid y's 65535 as a second wave of splits in grid z,
     and combine_kernel loops over them. The batch repeats 40 sequences; every row of it is checked
     against the reference of those 40 (poisoned first)."""
     args, kw = make_case(fmt, q_dtype, lens=(0, 1, 63, 64, 65, 7, 200, 130) * 5, heads=4, block_size=64, seed=30)

@@ -108,7 +108,7 @@ def attention_base() -> dict:
 LAYER_CONFIG = dict(hidden_size=64, num_heads=2)
 # Keywords of layer rows read as literals: MLAConfig fields that change the call's config (the
 # params stay the base config's), and params_config={...}, fields that change the params' config.
-LAYER_LITERALS = {"num_heads", "hidden_size", "q_lora_rank", "output_gate", "cache_format", "params_config"}
+LAYER_LITERALS = {"num_heads", "hidden_size", "q_lora_rank", "output_gate", "cache_format", "params_config", "params_list"}
 LAYER_CALLS = ("layer_prefill", "layer_decode", "layer_scan")
 
 
@@ -174,10 +174,13 @@ def callables(call: str) -> list:
         a = dict(base(name), **kwargs)
         return [(impl.__name__, functools.partial(invoke, impl, name, a)) for impl in (jax_kimi_mla, reference)]
     if name in LAYER_CALLS:
+        params_list = kwargs.pop("params_list", None)
         changes = {k: kwargs.pop(k) for k in list(kwargs) if k in LAYER_LITERALS and k != "params_config"}
         params_config = kwargs.pop("params_config", {})
         a = dict(layer_base(name, tuple(sorted(params_config.items()))), **kwargs)
         a["config"] = layer.MLAConfig(**{**LAYER_CONFIG, **changes})
+        if params_list is not None:  # the first params_list layers, as a list of per-layer params
+            a["params"] = layer.unstack_layers(a["params"])[:params_list]
         if name == "layer_scan":
             step = functools.partial(layer.prefill, config=a["config"])
             return [(name, lambda: layer.scan_layers(step, a["params"], a["x"], a["kv_cache"], a["positions"], a["slot_mapping"]))]

@@ -60,6 +60,9 @@ def test_a_well_formed_raw_call_runs():
         (dict(programmatic_combine=np.int64(0)), "programmatic_combine must be a bool"),
         (dict(balance_splits=np.int64(0)), "balance_splits must be a bool"),
         (dict(balance_splits="false"), "balance_splits must be a bool"),
+        (dict(work_splits=np.float32(1)), "work_splits must be an i64"),
+        (dict(work_splits=np.int64(-1)), "work_splits must be 0..num_splits"),
+        (dict(work_splits=np.int64(2)), "work_splits must be 0..num_splits"),  # one split
     ],
 )
 def test_malformed_attention_calls_fail_with_the_handlers_message(kwargs, message):
@@ -67,12 +70,13 @@ def test_malformed_attention_calls_fail_with_the_handlers_message(kwargs, messag
         attention(**kwargs)
 
 
-@pytest.mark.parametrize("launch", [{}, dict(balance_splits=False), dict(balance_splits=True)])
+@pytest.mark.parametrize("launch", [{}, dict(balance_splits=False), dict(balance_splits=True), dict(work_splits=np.int64(2))])
 @pytest.mark.parametrize("row_floats", [517, 513])
 def test_split_scratch_with_or_without_the_claims(row_floats, launch):
     """The split-KV scratch of 517 floats a partial row (16 bytes of claims, 512 outputs, an lse),
-    or of 513 (programs exported before the claims: no balancing), with or without balance_splits:
-    accepted, and on the CPU the one-split call's result (the CPU handler ignores the splits)."""
+    or of 513 (programs exported before the claims: no balancing), with or without balance_splits
+    or splits by work: accepted, and on the CPU the one-split call's result (the CPU handler
+    ignores the splits)."""
     rng = np.random.default_rng(7)
     B, H, splits = 2, 3, 3
     operands = [rng.standard_normal((B, H, 576)).astype(np.float32).astype(BF16), rng.standard_normal((4, 16, 576)).astype(np.float32).astype(BF16),

@@ -128,11 +128,12 @@ def as_bits(cache):
 class Run:
     """One scenario's data: weights, sequences, block tables; drives the jitted steps."""
 
-    def __init__(self, fmt, rope, seed, num_layers=None, *, twin_atol=None, layer_ops=None, **overrides):
+    def __init__(self, fmt, rope, seed, num_layers=None, *, twin_atol=None, layer_ops=None, layer_list=False, **overrides):
         """``twin_atol``: also check every step against its quantized twin (see
         :func:`quantized_twin`) to this absolute tolerance. ``layer_ops``: the namespace the layer
-        calls its ops from (default jax_kimi_mla.ops), with steps traced for this run."""
-        self.twin_atol, self.layer_ops = twin_atol, layer_ops
+        calls its ops from (default jax_kimi_mla.ops), with steps traced for this run.
+        ``layer_list``: scan_layers gets the stack's params as a list of per-layer ones."""
+        self.twin_atol, self.layer_ops, self.layer_list = twin_atol, layer_ops, layer_list
         self.steps = STEPS if layer_ops is None else {k: fresh_step(k[0], donate=True) for k in STEPS if not k[1]}
         self.twins = {kind: fresh_step(kind) for kind in ("prefill", "decode")}
         self.config = ml.MLAConfig(hidden_size=HIDDEN, num_heads=HEADS, cache_format=fmt, **overrides)
@@ -162,7 +163,7 @@ class Run:
     def step(self, kind, x, *args, **kwargs):
         """One jitted step with the cache donated; checks that it updates the cache in place."""
         fn = self.steps[kind, self.num_layers is not None]
-        args = (self.params, x, *args, self.cache)
+        args = (ml.unstack_layers(self.params) if self.layer_list else self.params, x, *args, self.cache)
         kwargs.update(config=self.config, cos_sin_cache=self.cos_sin)
         if self.twin_atol is not None:  # before the step: the twin reads the same cache
             assert self.num_layers is None
@@ -172,7 +173,7 @@ class Run:
             if kind not in self.compiled_checked:  # compiling here fills the cache the call then uses
                 hlo = fn.lower(*args, **kwargs).compile().as_text()
                 assert_cache_in_place(hlo, self.cache)
-                assert (self.num_layers is None) or " while(" in hlo, "the layer scan was unrolled"
+                assert (self.num_layers is None) or (" while(" in hlo) != self.layer_list, "scanned: a stack; unrolled: a list"
                 self.compiled_checked.add(kind)
             pointer = self.cache.unsafe_buffer_pointer()
             out, self.cache = fn(*args, **kwargs)
@@ -296,6 +297,12 @@ def test_the_twin_check_catches_an_off_by_one_token(fmt, shift):
 @pytest.mark.parametrize("fmt, rope, seed", [("fp8", True, 11), ("fp8_ds_mla", False, 12)])
 def test_scanned_layer_stack_matches_reference(fmt, rope, seed):
     run_and_check(Run(fmt, rope, seed, num_layers=2))
+
+
+@pytest.mark.parametrize("fmt, rope, seed", [("bf16", True, 13), ("fp8_ds_mla", False, 14)])
+def test_layer_list_matches_reference(fmt, rope, seed):
+    """scan_layers over a list of per-layer params: a Python loop over the same stacked cache."""
+    run_and_check(Run(fmt, rope, seed, num_layers=2, layer_list=True))
 
 
 @pytest.mark.parametrize(

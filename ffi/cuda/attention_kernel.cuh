@@ -6,21 +6,22 @@
 namespace jax_kimi_mla {
 namespace {
 
-// One CTA's work: split `split` of sequence b. Block-uniform control flow throughout (barriers
+// One CTA's work: split at.split of sequence at.b. Block-uniform control flow throughout (barriers
 // inside).
 template <CacheFormat kFormat, ActType kElem>
-__device__ void attend(const DecodeAttention& a, const TileMaps& maps, int64_t b, int split, const Scales& scales,
+__device__ void attend(const DecodeAttention& a, const TileMaps& maps, const CtaPlace& at, const Scales& scales,
                        uint8_t* smem) {
+  const int64_t b = at.b;
   using L = Layout<kFormat>;
   using V = VTile<L::kSwizzled, L::kVRowBytes>;
   const int64_t rows = a.rows(), len = a.context_len(b);
   // Rows are (query token, head): the first row of the CTA sees the fewest tokens, its last real
   // row the most; no row sees tokens past seen_by_any, so those are not loaded.
-  const int64_t row0 = int64_t(blockIdx.y) * kTileRows;
+  const int64_t row0 = int64_t(at.row_group) * kTileRows;
   const int64_t last_row = min64(row0 + kTileRows, rows) - 1;
   const int64_t seen_by_all = a.row_visible_len(len, row0);
   const int64_t seen_by_any = a.row_visible_len(len, last_row);
-  const Work w = split_work(a, b, row0, split, len, seen_by_any);
+  const Work w = split_work(a, b, row0, at.split, len, seen_by_any, batch_split_share(a));
   if (a.num_splits > 1 && w.first >= len) return;  // not a live split: the combine skips it
 
   Lane t;
@@ -181,8 +182,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   JKM_PHASE_AT(0);
   let_dependent_launch_start();
   if constexpr (Layout<kFormat>::kSwizzled) prefetch_tile_maps(maps);
-  const int64_t b = cta_sequence(a);
-  if (b < a.batch) attend<kFormat, kElem>(a, maps, b, cta_split(a), load_scales<kFormat>(a), smem);
+  const CtaPlace at = cta_place(a);
+  if (at.b < a.batch) attend<kFormat, kElem>(a, maps, at, load_scales<kFormat>(a), smem);
   JKM_PHASE_AT(6);
 }
 

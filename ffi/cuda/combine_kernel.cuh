@@ -28,29 +28,31 @@ __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const Decod
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const int64_t rows = a.rows(), r = blockIdx.x;
   const int first_column = int(blockIdx.z) * kPartColumns;
+  // The lengths are the call's inputs: read before the wait, which the partials' loads follow
+  // at once (under the programmatic launch, while the attention kernel still runs).
+  const int64_t share = batch_split_share(a);
+  int64_t b = blockIdx.y, len = b < a.batch ? a.context_len(b) : 0;
   wait_for_prior_grid();  // the partials are the attention kernel's
-  for (int64_t b = blockIdx.y; b < a.batch; b += gridDim.y) {
-    const int64_t len = a.context_len(b);
+  for (; b < a.batch; b += gridDim.y, len = b < a.batch ? a.context_len(b) : 0) {
+    const int live = a.live_splits(len, share);
     float4 acc[kLaneChunks] = {};
     float weight_sum = 0.0f, max_lse = -INFINITY;  // this warp's sums, relative to max_lse
-    // A round's loads go out before the live count is known (they do not wait for the length's
-    // load): every split's partial exists, and a dead split's values are never used.
-    for (int first = warp; first < a.num_splits; first += kCombineWarps * kCombineRound) {
+    // A round's loads all go out before its first use.
+    for (int first = warp; first < live; first += kCombineWarps * kCombineRound) {
       float4 o[kCombineRound][kLaneChunks];
       float lse[kCombineRound];
 #pragma unroll
       for (int i = 0; i < kCombineRound; ++i) {
         const int s = first + i * kCombineWarps;
-        const bool exists = s < a.num_splits;  // uniform: no load for a slot past the last split
+        const bool exists = s < live;  // uniform: no load for a dead split or a slot past the last
         lse[i] = exists ? *a.partial_lse(s, b, r) : -INFINITY;
         const float4* part = reinterpret_cast<const float4*>(a.partial(exists ? s : 0, b, r) + first_column);
 #pragma unroll
         for (int k = 0; k < kLaneChunks; ++k) o[i][k] = exists ? part[32 * k + lane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
-      const int live = a.live_splits(len);
 #pragma unroll
       for (int i = 0; i < kCombineRound; ++i) {
-        if (first + i * kCombineWarps >= live || lse[i] == -INFINITY) continue;  // dead, empty, or no such split
+        if (lse[i] == -INFINITY) continue;  // dead, empty, or no such split
         const float new_max = fmaxf(max_lse, lse[i]);  // skips NaN: a NaN lse propagates through its weight
         const float rescale = max_lse == -INFINITY ? 1.0f : expf(max_lse - new_max);
         const float weight = expf(lse[i] - (new_max == -INFINITY ? 0.0f : new_max));
@@ -64,7 +66,6 @@ __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const Decod
           acc[k].w = fmaf(weight, o[i][k].w, acc[k].w * rescale);
         }
       }
-      if (first + kCombineWarps * kCombineRound >= live) break;  // no live split in later rounds
     }
 #pragma unroll
     for (int k = 0; k < kLaneChunks; ++k) reinterpret_cast<float4*>(warp_acc[warp])[32 * k + lane] = acc[k];

@@ -410,15 +410,28 @@ struct Work {
   int slot;  // the partial slot the CTA writes (its split), or -1: out and lse directly (one split)
 };
 
+// The least tokens of a split by work (DecodeAttention::split_share), in every lane of the calling
+// warp (whole warps; 0 without splits by work): the batch's lengths summed, a load a lane for
+// every 32 sequences (splits by work are chosen where the batch's CTAs do not fill the GPU, so B
+// is small).
+__device__ __forceinline__ int64_t batch_split_share(const DecodeAttention& a) {
+  if (a.work_splits == 0) return 0;
+  int64_t total = 0;
+  for (int64_t b = threadIdx.x % 32; b < a.batch; b += 32) total += a.context_len(b);
+#pragma unroll
+  for (int k = 16; k > 0; k /= 2) total += __shfl_xor_sync(0xFFFFFFFFu, total, k);
+  return a.split_share(total);
+}
+
 // The work of split `split` of sequence b (len tokens) for the CTA whose first row is row0: its
 // first token, where its loads end (at most `visible`, the last token any of its rows sees) and its
 // tiles. One division: the bounds follow from the split's size. A split at or past the length
-// (first >= len) has no tiles.
+// (first >= len) has no tiles. share: batch_split_share's.
 __device__ __forceinline__ Work split_work(const DecodeAttention& a, int64_t b, int64_t row0, int64_t split,
-                                           int64_t len, int64_t visible) {
+                                           int64_t len, int64_t visible, int64_t share) {
   Work w;
   w.b = b, w.row0 = row0;
-  const int64_t split_tokens = a.split_tokens(len);
+  const int64_t split_tokens = a.split_tokens(len, share);
   w.first = split * split_tokens;
   w.load_end = min64(min64(w.first + split_tokens, len), visible);
   w.n_tiles = w.load_end > w.first ? (w.load_end - w.first + kTileTokens - 1) / kTileTokens : 0;
@@ -426,15 +439,27 @@ __device__ __forceinline__ Work split_work(const DecodeAttention& a, int64_t b, 
   return w;
 }
 
-// The sequence and split of a CTA of attention_kernel, fp8_attention_kernel and
-// wide_attention_kernel: grid x holds the splits of each wave of gridDim.z sequences (more than
-// one wave only past 65535 sequences), so that a CTA takes one (sequence, split) with no loop over
+// Where a CTA of an attention kernel works: split `split` of sequence b (b >= B: nothing to do),
+// query rows from row_group x the kernel's rows a CTA. The grid is (row groups, sequences of a
+// wave, num_splits x waves of gridDim.y sequences; more than one wave only past 65535 sequences,
+// never for rs_attention_kernel), so that a CTA takes one (sequence, split) with no loop over
 // sequences (ptxas kept such a loop's invariants in registers through the whole body, and
-// spilled). b >= B: nothing to do.
-__device__ __forceinline__ int64_t cta_sequence(const DecodeAttention& a) {
-  return int64_t(blockIdx.x / unsigned(a.num_splits)) * gridDim.z + blockIdx.z;
+// spilled). The GPU starts CTAs x first, then y, then z: a sequence's row groups start together
+// (they read the same tokens, and the later ones find them in L2: S_q = 4, B 64 x 16k ran 45%
+// slower with them apart), then every sequence's first splits, and the splits that the lengths
+// leave empty (by work, 3/4 of a uniform batch's grid) start last, when they hold no SM that a
+// live split waits for. rs_attention_kernel's clusters are a sequence's splits along z.
+struct CtaPlace {
+  int64_t b;
+  int split, row_group;
+};
+__device__ __forceinline__ CtaPlace cta_place(const DecodeAttention& a) {
+  const unsigned wave = blockIdx.z / unsigned(a.num_splits);
+  return {int64_t(wave) * gridDim.y + blockIdx.y, int(blockIdx.z - wave * unsigned(a.num_splits)), int(blockIdx.x)};
 }
-__device__ __forceinline__ int cta_split(const DecodeAttention& a) { return int(blockIdx.x % unsigned(a.num_splits)); }
+// The same in a grid of one wave (rs_attention_kernel): the block index itself, which ptxas reads
+// again where a register would have to hold it (its producer's and consumers' registers are few).
+__device__ __forceinline__ CtaPlace cta_place_in_one_wave() { return {int64_t(blockIdx.y), int(blockIdx.z), int(blockIdx.x)}; }
 
 // The cache row of token `token` of tile `tile`, or -1: masked, past the loaded range, or no such
 // tile.

@@ -8,8 +8,8 @@
 // fp8_attention_kernel.cuh (1b), wide_attention_kernel.cuh (1c), rs_attention_kernel.cuh (1d)
 // and combine_kernel.cuh (2).
 //
-// 1. attention_kernel, grid (num_splits x waves of 65535 sequences, ceil(S_q*H / 16), B up to
-//    65535), sm_90+. A CTA of 8 warps takes 16 query rows of one sequence (rows past S_q*H are
+// 1. attention_kernel, grid (ceil(S_q*H / 16), B up to 65535, num_splits x waves of 65535
+//    sequences), sm_90+. A CTA of 8 warps takes 16 query rows of one sequence (rows past S_q*H are
 //    zero padding, never stored) and the tokens of its split, in 64-token tiles:
 //    - The 16 x 576 query tile goes to shared memory once, in the MMA element type (bf16, or f16
 //      when q and the cache values are all exact in f16: f16 q over an f16 or plain fp8 cache, and
@@ -226,7 +226,7 @@ ffi::Error launch_wide_attention(cudaStream_t stream, const DecodeAttention& a, 
 }
 
 // rs_attention_kernel's launch over grid, its shared memory allowed; with a cluster of the grid's
-// splits (grid.x CTAs) where `cluster` (attribute: the storage of that setting).
+// splits (grid.z CTAs) where `cluster` (attribute: the storage of that setting).
 template <CacheFormat kFormat>
 cudaLaunchConfig_t rs_launch_config(dim3 grid, cudaStream_t stream, bool cluster, cudaLaunchAttribute& attribute,
                                     cudaError_t& err) {
@@ -234,7 +234,7 @@ cudaLaunchConfig_t rs_launch_config(dim3 grid, cudaStream_t stream, bool cluster
   err = cudaFuncSetAttribute(rs_attention_kernel<kFormat>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
   attribute = cudaLaunchAttribute{};
   attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = grid.x, attribute.val.clusterDim.y = 1, attribute.val.clusterDim.z = 1;
+  attribute.val.clusterDim.x = 1, attribute.val.clusterDim.y = 1, attribute.val.clusterDim.z = grid.z;
   cudaLaunchConfig_t config{};
   config.gridDim = grid, config.blockDim = dim3(kRsThreads), config.dynamicSmemBytes = kBytes;
   config.stream = stream, config.attrs = &attribute, config.numAttrs = cluster ? 1 : 0;
@@ -265,24 +265,27 @@ int asked_once(std::atomic<int>& slot, Ask ask) {
 // count's wave rule assumes. The most resident clusters are asked once per device and size.
 template <CacheFormat kFormat>
 bool rs_splits_fit_a_cluster(int device, dim3 grid) {
-  const int splits = int(grid.x);
+  const int splits = int(grid.z);
   if (splits < 2 || splits > kMaxClusterSplits || device < 0 || device >= kMaxDevices) return false;
   static std::atomic<int> resident[kMaxDevices][kMaxClusterSplits + 1] = {};
   const int clusters = asked_once(resident[device][splits], [splits](int& count) {  // failed: combine_kernel
     cudaLaunchAttribute attribute;
     cudaError_t err = cudaSuccess;
-    const cudaLaunchConfig_t config = rs_launch_config<kFormat>(dim3(unsigned(splits)), nullptr, true, attribute, err);
+    const cudaLaunchConfig_t config = rs_launch_config<kFormat>(dim3(1, 1, unsigned(splits)), nullptr, true, attribute, err);
     return err != cudaSuccess ? err : cudaOccupancyMaxActiveClusters(&count, rs_attention_kernel<kFormat>, &config);
   });
-  return int64_t(grid.y) * grid.z <= clusters;
+  return int64_t(grid.x) * grid.y <= clusters;
 }
 
 // rs_attention_kernel, its splits as one cluster (merged there, no combine_kernel) where they fit
-// one and the call did not ask for "rs-combine"; merged_in_cluster says which.
+// one, the call did not ask for "rs-combine" and splits are by count (by work, the grid's splits
+// a sequence does not take would hold their SMs until the cluster's merge); merged_in_cluster says
+// which.
 template <CacheFormat kFormat>
 ffi::Error launch_rs_attention(cudaStream_t stream, const DecodeAttention& a, dim3 grid, const DecodeLaunch& launch,
                                int device, bool& merged_in_cluster) {
-  merged_in_cluster = launch.kernel != KernelRequest::kRsCombine && rs_splits_fit_a_cluster<kFormat>(device, grid);
+  merged_in_cluster = launch.kernel != KernelRequest::kRsCombine && a.work_splits == 0 &&
+                      rs_splits_fit_a_cluster<kFormat>(device, grid);
   TileMaps maps{};
   if constexpr (kFormat == CacheFormat::kFp8)
     if (ffi::Error map_err = make_tile_maps(a, maps); map_err.failure()) return map_err;
@@ -331,11 +334,12 @@ DecodeKernel choose_kernel(const DecodeAttention& a, int major, KernelRequest ch
                           a.max_len() <= kRsMaxTokens &&
                           (a.cache_format == CacheFormat::kFp8DsMla ||
                            (fp8_under_e4m3 && a.num_blocks * a.block_size <= INT32_MAX));
-  // rs_attention_kernel from 4 tiles a split (of the longest sequence the table holds): with fewer,
-  // its one-warpgroup tiles and longer prologue lose (H200, H 12, B = 1, context 4096: fp8_ds_mla
-  // 15.3 against attention_kernel's 12.2 us, plain fp8 16.2 against fp8_attention_kernel's 13.4).
+  // rs_attention_kernel from 4 tiles a split (of a batch of sequences as long as the table holds:
+  // by work, work_splits of them): with fewer, its one-warpgroup tiles and longer prologue lose
+  // (H200, H 12, B = 1, context 4096: fp8_ds_mla 15.3 against attention_kernel's 12.2 us, plain
+  // fp8 16.2 against fp8_attention_kernel's 13.4).
   if (choice != R::kMma && rs_applies &&
-      (rs_asked || a.split_tokens(a.max_len()) >= kRsMinSplitTiles * kTileTokens))
+      (rs_asked || a.split_tokens(a.max_len(), a.split_share(a.batch * a.max_len())) >= kRsMinSplitTiles * kTileTokens))
     return DecodeKernel::kRs;
   if (choice != R::kMma && kFp8KernelBuilt && fp8_under_e4m3 && a.q_tokens == 1) return DecodeKernel::kFp8;
   const bool many_rows = a.rows() >= kWideMinRows || (a.rows() >= kWideMinRowsBatched && a.batch >= kWideMinBatch);
@@ -393,12 +397,14 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a, const DecodeLaunch
   const int64_t row_groups = (rows + rows_per_cta - 1) / rows_per_cta;
   if (row_groups > kMaxGridYZ)
     return invalid_argument(kDecodeAttentionTarget, "too many query rows (S_q * H)");
-  // Grid z (y for the combine) holds at most 65535 sequences: the attention kernels take the rest as
-  // further waves of splits in grid x (cta_sequence; rs_attention_kernel is not taken past 65535),
+  // Grid y (of the combine too) holds at most 65535 sequences: the attention kernels take the rest
+  // as further waves of splits in grid z (cta_place; rs_attention_kernel is not taken past 65535),
   // the combine loops over them.
   const unsigned batch_blocks = unsigned(a.batch < kMaxGridYZ ? a.batch : kMaxGridYZ);
   const int64_t sequence_waves = (a.batch + batch_blocks - 1) / batch_blocks;
-  const dim3 grid(unsigned(a.num_splits * sequence_waves), unsigned(row_groups), batch_blocks);
+  if (a.num_splits * sequence_waves > kMaxGridYZ)
+    return invalid_argument(kDecodeAttentionTarget, "too many sequences for the split count (num_splits x ceil(B / 65535) > 65535)");
+  const dim3 grid(unsigned(row_groups), batch_blocks, unsigned(a.num_splits * sequence_waves));
   const bool f16 = mma_type(a) == ActType::kF16;
   ffi::Error err = ffi::Error::Success();
   bool merged_in_cluster = false;  // the splits merged in the attention kernel: no combine

@@ -103,15 +103,15 @@ struct Fp8Layout {
                 "the output rows are staged over the stages");
 };
 
-// One CTA's work: split `split` of sequence b at S_q = 1 (attend's CTA). Tile i: P.V of tile i - 1,
+// One CTA's work: split at.split of sequence at.b at S_q = 1 (attend's CTA). Tile i: P.V of tile i - 1,
 // QK^T of tile i | barrier | softmax of tile i | barrier; tile i + 2 issued at the top, into the
 // stage of tile i - 2. The P tiles and the rows' alphas are kept by tile parity, so that P.V reads
 // tile i - 1's while the softmax writes tile i's.
-__device__ void attend_fp8(const DecodeAttention& a, int64_t b, int split, const Scales& scales, uint8_t* smem) {
+__device__ void attend_fp8(const DecodeAttention& a, const CtaPlace& at, const Scales& scales, uint8_t* smem) {
   using L = Fp8Layout;
   constexpr CacheFormat kFormat = CacheFormat::kFp8;
-  const int64_t len = a.context_len(b);
-  const Work w = split_work(a, b, int64_t(blockIdx.y) * kTileRows, split, len, len);
+  const int64_t b = at.b, len = a.context_len(b);
+  const Work w = split_work(a, b, int64_t(at.row_group) * kTileRows, at.split, len, len, batch_split_share(a));
   if (a.num_splits > 1 && w.first >= len) return;  // not a live split: the combine skips it
 
   Lane t;
@@ -218,8 +218,8 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_attention_kernel(const Decode
   extern __shared__ __align__(1024) uint8_t smem[];
   JKM_PHASE_AT(0);
   let_dependent_launch_start();
-  const int64_t b = cta_sequence(a);
-  if (b < a.batch) attend_fp8(a, b, cta_split(a), load_scales<CacheFormat::kFp8>(a), smem);
+  const CtaPlace at = cta_place(a);
+  if (at.b < a.batch) attend_fp8(a, at, load_scales<CacheFormat::kFp8>(a), smem);
   JKM_PHASE_AT(6);
 }
 

@@ -308,7 +308,7 @@ __device__ __forceinline__ int rs_tail_tiles(int tiles) { return tiles / 4; }
 template <CacheFormat kFormat>
 constexpr int kRsBalancedMinTiles = kFormat == CacheFormat::kFp8 ? JKM_RS_FP8_BALANCED_MIN_TILES : kRsMinSplitTiles;
 
-// Split j of a sequence of len tokens (per = split_tokens(len), j < live_splits(len)) as
+// Split j of a sequence of len tokens (per = split_tokens(len, share), j < splits_of(len, per)) as
 // split_work cuts it: its tile count and its tile i.
 __device__ __forceinline__ int rs_split_tiles(int per, int len, int j) {
   const int first = j * per;
@@ -319,9 +319,11 @@ __device__ __forceinline__ RsTile rs_split_tile(int per, int len, int j, int i) 
   return RsTile{first + i * kTileTokens, min(first + per, len)};
 }
 
-// The claim record of split j of this CTA's sequence (blockIdx.z) and query rows (blockIdx.y).
+// The claim record of split j of the CTA's sequence and query rows (cta_place_in_one_wave: the
+// block index, read again each time rather than held in a register through the producer's loop).
 __device__ __forceinline__ SplitClaim* rs_record(const DecodeAttention& a, int j) {
-  return a.claim_record(j, blockIdx.z, int64_t(blockIdx.y) * kTileRows);
+  const CtaPlace at = cta_place_in_one_wave();
+  return a.claim_record(j, at.b, int64_t(at.row_group) * kTileRows);
 }
 
 // The owner's record opened: claimed = 0 made visible before the tag that lets others claim.
@@ -331,14 +333,14 @@ __device__ __forceinline__ void open_claims(SplitClaim* record) {
   *reinterpret_cast<volatile unsigned long long*>(&record->open) = kClaimOpen;
 }
 
-// The CTA's next claimed tile (split blockIdx.x of sequence blockIdx.z, the CTA's query rows), or
+// The CTA's next claimed tile (split me of the CTA's sequence, the CTA's query rows), or
 // the end; run by the producer's warp 0, the result the same in every lane. own_open: this split's
 // own record may still have tiles; then lane 0's `ahead` is a claim on it already made (an atomic
 // add's result, first used here), and the next one is made before returning, so that no atomic's
 // latency sits between a freed stage and its next tile.
-__device__ __forceinline__ RsTile rs_claim(const DecodeAttention& a, int len, int per, bool& own_open,
+__device__ __forceinline__ RsTile rs_claim(const DecodeAttention& a, int me, int len, int per, bool& own_open,
                                            unsigned& ahead) {
-  const int lane = int(threadIdx.x) % 32, me = int(blockIdx.x), live = a.live_splits(len);
+  const int lane = int(threadIdx.x) % 32, live = DecodeAttention::splits_of(len, per);
   if (own_open) {
     const int tiles = rs_split_tiles(per, len, me), tail = rs_tail_tiles(tiles);
     SplitClaim* mine = rs_record(a, me);
@@ -404,8 +406,9 @@ __device__ void produce_rs_tiles(const DecodeAttention& a, const TileMaps& maps,
   int64_t* tile_rows = reinterpret_cast<int64_t*>(smem + L::kRows);     // plain fp8: [stage][64]
   int* ends = reinterpret_cast<int*>(smem + L::kEnds);
   RsTile* handed = reinterpret_cast<RsTile*>(smem + L::kClaimed);       // [claim % 2]: warp 0's, for warp 1
-  const int64_t b = blockIdx.z;
-  const int len = int(a.context_len(b)), per = int(a.split_tokens(len)), me = int(blockIdx.x);
+  const CtaPlace at = cta_place_in_one_wave();
+  const int64_t b = at.b;
+  const int len = int(a.context_len(b)), per = int(a.split_tokens(len, batch_split_share(a))), me = at.split;
   balanced = balanced && per >= kRsBalancedMinTiles<kFormat> * kTileTokens;
   const int tiles = int64_t(me) * per < len ? rs_split_tiles(per, len, me) : 0;
   const int own = balanced ? tiles - rs_tail_tiles(tiles) : tiles;
@@ -421,7 +424,7 @@ __device__ void produce_rs_tiles(const DecodeAttention& a, const TileMaps& maps,
     }
     if (!balanced) return RsTile{-1, 0};
     RsTile got{-1, 0};
-    if (thread < 32) got = rs_claim(a, len, per, own_open, ahead);
+    if (thread < 32) got = rs_claim(a, me, len, per, own_open, ahead);
     if constexpr (!kFp8) {  // warp 0 claims for both warps
       RsTile* slot = handed + (claims & 1);  // two slots: warp 1 has read one before warp 0 refills it
       if (thread == 0) *slot = got;
@@ -481,13 +484,13 @@ __device__ void produce_rs_tiles(const DecodeAttention& a, const TileMaps& maps,
 }
 
 template <CacheFormat kFormat>
-__device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, const Scales& scales,
+__device__ __forceinline__ void attend_rs(const DecodeAttention& a, const CtaPlace& at, const Scales& scales,
                                           const TileMaps& maps, uint8_t* smem) {
   using L = RsLayout<kFormat>;
   constexpr bool kFp8 = L::kFp8;
   constexpr int kEntryBytes = kDsMlaEntryBytes;  // fp8_ds_mla's raw rows
-  const int64_t len = a.context_len(b);
-  const Work w = split_work(a, b, int64_t(blockIdx.y) * kTileRows, blockIdx.x, len, len);
+  const int64_t b = at.b, len = a.context_len(b);
+  const Work w = split_work(a, b, int64_t(at.row_group) * kTileRows, at.split, len, len, batch_split_share(a));
   // A split past the length: the combine skips it; in a cluster it stages empty rows for the merge.
   const bool in_cluster = cluster_size() > 1;
   if (a.num_splits > 1 && w.first >= len && !in_cluster) return;
@@ -883,7 +886,7 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, int64_t b, c
   store_staged_rows<kTileRows, kThreads>(a, w, rows, staging, tid);
 }
 
-// One sequence a CTA: grid (splits, row groups, B <= 65535).
+// One split of a sequence a CTA: grid (row groups, B <= 65535, splits), cta_place_in_one_wave.
 // The tensor maps are plain fp8's (zero for fp8_ds_mla).
 template <CacheFormat kFormat>
 __global__ void __launch_bounds__(kRsThreads, 1)
@@ -892,7 +895,7 @@ __global__ void __launch_bounds__(kRsThreads, 1)
   JKM_PHASE_AT(0);
   let_dependent_launch_start();
   if constexpr (kFormat == CacheFormat::kFp8) prefetch_tile_maps<kFormat>(maps);
-  attend_rs<kFormat>(a, blockIdx.z, load_scales<kFormat>(a), maps, smem);
+  attend_rs<kFormat>(a, cta_place_in_one_wave(), load_scales<kFormat>(a), maps, smem);
   JKM_PHASE_AT(6);
 }
 

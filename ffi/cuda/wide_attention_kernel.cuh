@@ -60,12 +60,12 @@ struct WideLayout {
 };
 
 template <ActType kElem>
-__device__ void attend_wide(const DecodeAttention& a, const TileMaps& maps, int64_t b, int split,
+__device__ void attend_wide(const DecodeAttention& a, const TileMaps& maps, const CtaPlace& at,
                             const Scales& scales, uint8_t* smem) {
   using L = WideLayout;
   constexpr bool kF16 = kElem == ActType::kF16;
-  const int64_t rows = a.rows(), len = a.context_len(b);
-  const Work w = split_work(a, b, int64_t(blockIdx.y) * kWideRows, split, len, len);
+  const int64_t b = at.b, rows = a.rows(), len = a.context_len(b);
+  const Work w = split_work(a, b, int64_t(at.row_group) * kWideRows, at.split, len, len, batch_split_share(a));
   if (a.num_splits > 1 && w.first >= len) return;  // not a live split: the combine skips it
 
   const int warp = uniform_warp_index(), lane = int(threadIdx.x) % 32;
@@ -253,8 +253,8 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   extern __shared__ __align__(1024) uint8_t smem[];
   let_dependent_launch_start();
   prefetch_tile_maps(maps);
-  const int64_t b = cta_sequence(a);
-  if (b < a.batch) attend_wide<kElem>(a, maps, b, cta_split(a), load_scales<CacheFormat::kBf16>(a), smem);
+  const CtaPlace at = cta_place(a);
+  if (at.b < a.batch) attend_wide<kElem>(a, maps, at, load_scales<CacheFormat::kBf16>(a), smem);
 }
 
 }  // namespace

@@ -49,6 +49,7 @@ struct DecodeAttention : PagedCache {
   // then the lse [num_splits, B, S_q * H] (outputs apart so that their rows are 16-byte aligned).
   float* partials = nullptr;
   int num_splits = 1;
+  int work_splits = 0;  // splits by work: split_share (0: every sequence cut into num_splits)
   // The splits' claim records (SplitClaim, one per split and CTA: claim_record), or null: each
   // split takes exactly its own tiles. Ahead of partials in the same scratch.
   SplitClaim* claims = nullptr;
@@ -67,16 +68,28 @@ struct DecodeAttention : PagedCache {
   }
 
   // Split s of a sequence of `len` tokens covers tokens [s * per, min((s + 1) * per, len)), per =
-  // split_tokens(len): equal runs of whole kSplitTokens tiles, the last ones possibly empty
-  // (skipped on the device; the combine reads only splits with s * per < len).
+  // split_tokens(len, share): equal runs of whole kSplitTokens tiles, the last ones possibly empty
+  // (skipped on the device; the combine reads only splits with s * per < len). A split holds at
+  // least 1 / num_splits of its sequence and at least `share` tokens (split_share: 0 without
+  // splits by work), so a sequence never has more than num_splits splits.
   static constexpr int64_t kSplitTokens = 64;
-  JKM_HD int64_t split_tokens(int64_t len) const {
+  JKM_HD int64_t split_tokens(int64_t len, int64_t share) const {
     const int64_t per = (len + num_splits - 1) / num_splits;
-    return (per + kSplitTokens - 1) / kSplitTokens * kSplitTokens;
+    const int64_t tiled = (per + kSplitTokens - 1) / kSplitTokens * kSplitTokens;
+    return tiled > share ? tiled : share;
   }
-  JKM_HD int live_splits(int64_t len) const {  // splits with at least one token
-    const int64_t per = split_tokens(len);
-    return per == 0 ? 0 : int((len + per - 1) / per);
+  JKM_HD static int splits_of(int64_t len, int64_t per) { return per == 0 ? 0 : int((len + per - 1) / per); }
+  JKM_HD int live_splits(int64_t len, int64_t share) const { return splits_of(len, split_tokens(len, share)); }
+  // Splits by work (work_splits > 0): the batch's B * work_splits splits shared out by length
+  // instead of by count, so that a ragged or padded batch (a serve loop's decode step) keeps the
+  // CTAs that a uniform one of work_splits splits a sequence would use, each with a like amount of
+  // work: every split gets at least total / (B * work_splits) tokens, in whole tiles (total: the
+  // batch's summed lengths, which every CTA adds up). A uniform batch is cut as by work_splits
+  // alone; num_splits (the grid) bounds what a long sequence takes.
+  JKM_HD int64_t split_share(int64_t total) const {
+    if (work_splits == 0 || batch == 0) return 0;
+    const int64_t splits = batch * work_splits, per = (total + splits - 1) / splits;
+    return (per + kSplitTokens - 1) / kSplitTokens * kSplitTokens;
   }
 
   // Partial result of split s for query row r of sequence b: 512 normalized outputs, and its lse.
@@ -96,7 +109,8 @@ struct DecodeAttention : PagedCache {
 // the attention kernel) and `balance_splits` (bool, default true: where rs_attention_kernel's
 // splits merge in combine_kernel and the scratch has room for the claims, a sequence's splits share
 // out their last tiles at run time; false: each split takes exactly its tiles, so that results
-// repeat bit for bit). The CPU handler checks and ignores them.
+// repeat bit for bit). The CPU handler checks and ignores them, and `work_splits` too (the split
+// geometry: DecodeAttention::split_share).
 // Host.
 enum class KernelRequest : uint8_t { kAuto, kMma, kRs, kRsCombine, kWide };
 struct DecodeLaunch {
@@ -128,7 +142,8 @@ constexpr std::string_view kDecodeAttentionTarget = "mla_decode_attention";  // 
 // Results: out act [B * S_q, H, 512]; lse f32 [B * S_q, H]; partials f32 [num_splits * B * S_q *
 // H * 517] (the claims, then the outputs and the lse; * 513: no claims; empty when num_splits ==
 // 1). Attributes: softmax_scale (f32), q_tokens (i64 S_q, 1..4), num_splits (i64 >= 1); optional:
-// kernel, programmatic_combine, balance_splits (DecodeLaunch). The query
+// work_splits (i64 0..num_splits, DecodeAttention::split_share), kernel, programmatic_combine,
+// balance_splits (DecodeLaunch). The query
 // is 3-D so that the decode epilogue's mqa_q [B, H, 576] (B * S_q rows) feeds it with no reshape,
 // which XLA may turn into a copy.
 // The Python wrapper checks all of this first and explains; these checks keep a malformed direct
@@ -155,6 +170,12 @@ inline ffi::Error make_decode_attention(ffi::AnyBuffer q, ffi::AnyBuffer cache,
     const auto programmatic = attrs.get<bool>("programmatic_combine");
     if (!programmatic.has_value()) return fail("programmatic_combine must be a bool");
     launch.programmatic_combine = *programmatic;
+  }
+  int64_t work_splits = 0;
+  if (attrs.contains("work_splits")) {
+    const auto work = attrs.get<int64_t>("work_splits");
+    if (!work.has_value()) return fail("work_splits must be an i64");
+    work_splits = *work;
   }
   if (attrs.contains("balance_splits")) {
     const auto balance = attrs.get<bool>("balance_splits");
@@ -190,6 +211,7 @@ inline ffi::Error make_decode_attention(ffi::AnyBuffer q, ffi::AnyBuffer cache,
     return fail("lse must be float32 [B * S_q, H]");
   if (num_splits < 1 || num_splits > kMaxSplits)
     return fail(("num_splits must be 1.." + std::to_string(kMaxSplits)).c_str());
+  if (work_splits < 0 || work_splits > num_splits) return fail("work_splits must be 0..num_splits");
   const size_t partial_rows = num_splits == 1 ? 0 : size_t(num_splits * a.batch * a.rows());
   const bool with_claims = partials.element_count() == partial_rows * (kAttnRowStats + kClaimFloats);
   if (partials.element_type() != T::F32 || (partials.element_count() != partial_rows * kAttnRowStats && !with_claims))
@@ -203,6 +225,7 @@ inline ffi::Error make_decode_attention(ffi::AnyBuffer q, ffi::AnyBuffer cache,
   a.partials = num_splits == 1 ? nullptr : scratch + (with_claims ? partial_rows * kClaimFloats : 0);
   a.claims = num_splits > 1 && with_claims && launch.balance_splits ? reinterpret_cast<SplitClaim*>(scratch) : nullptr;
   a.num_splits = int(num_splits);
+  a.work_splits = num_splits == 1 ? 0 : int(work_splits);
   return ffi::Error::Success();
 }
 
