@@ -1,4 +1,4 @@
-"""Device time of mla_decode_attention against its split count: the data behind ops.default_num_splits.
+"""Device time of mla_decode_attention against its split count: the data behind ops.split_plan.
 
     python -P benchmarks/splits_sweep.py                      # the default grid (GPU)
     python -P benchmarks/splits_sweep.py bf16:1:4096:12 --splits 1,8,16,32,64

@@ -116,7 +116,9 @@
 // tile's chain of dependent instructions in one warp (1.7-2.4 us per tile), which bf16's bytes
 // nearly match and the 1-byte formats' do not: with the whole context in L2 they run no faster,
 // and one barrier a tile instead of two ran slower (Thirteenth round). The split count is the
-// caller's choice: one CTA per SM, so num_splits * ceil(S_q*H / 16) * B should reach the SM count.
+// caller's choice: one CTA per SM, so num_splits * ceil(S_q*H / 16) * B should reach the SM count;
+// with work_splits the caller's grid has room for a ragged batch's long sequences, and the CTAs
+// share the batch's tokens out at run time (DecodeAttention::split_share, ops.split_plan).
 // Two opt-in kernels that stayed slower than the defaults were retired on 2026-12-04 (fp8_ds_mla on
 // f16 mma.sync with the tile scales out of the MMAs, and the 1-byte formats on wgmma fed by
 // converter warps); docs/DECODE_ATTENTION.md keeps their rounds and the commit that last held them.
