@@ -52,8 +52,8 @@ def main(argv=None) -> None:
         fmt, batch, context, heads, args = case_inputs(case)
         cache_dtype = jax.numpy.bfloat16 if fmt == "bf16" else jax.numpy.uint8  # the rule needs 16 bits or not
         rows_per_cta = ops._decode_rows_per_cta(cache_dtype, batch, 1, heads)
-        default = ops.default_num_splits(batch, heads, context, sm_count, rows_per_cta)
         grid, work = ops.split_plan(batch, heads, context, sm_count, rows_per_cta)
+        default = work or grid  # default_num_splits: the plan's average by work, else its count
         cells = []
         if work:
             cells.append(f"{grid} by work of {work}: {device_us(ops.mla_decode_attention, fmt, args, opts.calls)}")

@@ -140,6 +140,7 @@ class Run:
         self.num_layers = num_layers
         keys = jax.random.split(jax.random.key(seed), 3)
         self.params = ml.init_params(keys[0], self.config, num_layers)
+        self.step_params = ml.unstack_layers(self.params) if layer_list else self.params  # what scan_layers gets
         # Hidden states of every token of every sequence, prompt and decoded tokens alike.
         self.xs = jax.random.normal(keys[1], (len(PROMPTS), SEQ_LEN, HIDDEN), jnp.float32).astype(self.config.dtype)
         self.pad_x = jax.random.normal(keys[2], (CHUNK_PAD, HIDDEN), jnp.float32).astype(self.config.dtype)
@@ -163,7 +164,7 @@ class Run:
     def step(self, kind, x, *args, **kwargs):
         """One jitted step with the cache donated; checks that it updates the cache in place."""
         fn = self.steps[kind, self.num_layers is not None]
-        args = (ml.unstack_layers(self.params) if self.layer_list else self.params, x, *args, self.cache)
+        args = (self.step_params, x, *args, self.cache)
         kwargs.update(config=self.config, cos_sin_cache=self.cos_sin)
         if self.twin_atol is not None:  # before the step: the twin reads the same cache
             assert self.num_layers is None
