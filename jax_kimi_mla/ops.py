@@ -268,10 +268,11 @@ def default_num_splits(batch: int, rows: int, max_len: int, sm_count: int, rows_
 
 
 # Splits by work: how many times default_num_splits a long sequence of a ragged batch may take
-# (the grid's splits beyond what the lengths use start, find nothing and end: about 2 us of an
-# SM's time each), and the tiles a planned split must hold for that to pay (H100: calls with
-# splits of 4-8 tiles ran 9-16% slower by work, of 32 and more within 1%;
-# docs/DECODE_ATTENTION.md, Thirty-second round).
+# (the room of the split-KV scratch; the grid holds the planned B x default_num_splits CTAs, each
+# taking one live split: the work list), and the tiles a planned split must hold for splits by
+# work (H100, before the work list, when the grid held every sequence's most splits and the empty
+# ones cost about 2 us of an SM's time each: calls with splits of 4-8 tiles ran 9-16% slower by
+# work, of 32 and more within 1%; docs/DECODE_ATTENTION.md, Thirty-second round).
 SPLIT_HEADROOM = 4
 SPLIT_BY_WORK_MIN_TILES = 16
 
@@ -280,10 +281,10 @@ def split_plan(batch: int, rows: int, max_len: int, sm_count: int, rows_per_cta:
                split_by_work: bool = True) -> tuple[int, int]:
     """(num_splits, work_splits) of a call that leaves its split count to the op. With
     ``split_by_work`` and more than one split, the batch's default_num_splits x B splits are shared
-    out by the sequences' lengths at run time (every split at least the batch's summed lengths over
-    them): a uniform batch is cut as before, a ragged or padded one gives its long sequences more
-    splits (the grid: up to SPLIT_HEADROOM times as many, at most a split a 64-token tile) and its
-    short ones fewer. Else, where a planned split of the table holds fewer than
+    out by the sequences' lengths at run time (every split the fewest whole tiles with which the
+    batch needs at most that many): a uniform batch is cut as before, a ragged or padded one gives
+    its long sequences more splits (num_splits: up to SPLIT_HEADROOM times as many, at most a split
+    a 64-token tile) and its short ones fewer. Else, where a planned split of the table holds fewer than
     SPLIT_BY_WORK_MIN_TILES tiles, or where the grid has no room above the plan (one sequence),
     (default_num_splits, 0): every sequence cut into that many."""
     planned = default_num_splits(batch, rows, max_len, sm_count, rows_per_cta)

@@ -428,11 +428,13 @@ def test_cuda_balanced_and_unbalanced_splits(fmt, q_dtype, lens, num_splits):
         np.testing.assert_array_equal(got, first)
 
 
-# Splits by work (ops.split_plan, here patched to the plans below: the grid's num_splits, and the
-# splits a sequence has on average): a padded, ragged batch, each split at least the batch's summed
-# lengths over B x work_splits tokens, so the long sequences take up to num_splits splits and the
-# short ones fewer; every kernel, rs_attention_kernel by its combine (no cluster) and by the
-# tail-sharing claims.
+# Splits by work (ops.split_plan, here patched to the plans below: num_splits, the most splits a
+# sequence may take, and work_splits, B x which the grid holds, a CTA for each live split in
+# order: the work list): a padded, ragged batch, each split at least the fewest whole tiles with
+# which the batch has at most B x work_splits live splits, so the long sequences take up to
+# num_splits splits and the short ones fewer (plans 8by1 and 40by3: the share's search takes 7 and
+# 3 counts); every kernel, rs_attention_kernel by its combine (no cluster) and by the tail-sharing
+# claims.
 BY_WORK_LENS = (0, 9000, 1, 0, 300, 65, 4096, 0, 2500, 129)
 BY_WORK_CASES = (("bf16", "bfloat16", "mma", 1, 12), ("bf16", "bfloat16", "mma", 2, 12), ("bf16", "bfloat16", "wide", 1, 64),
                  ("fp8", "float8_e4m3fn", "auto", 1, 12), ("fp8", "bfloat16", "auto", 1, 12),
@@ -454,7 +456,7 @@ def test_cuda_splits_by_work(monkeypatch, fmt, q_dtype, kernel, q_tokens, heads,
 @pytest.mark.parametrize("fmt,q_dtype,kernel", (("bf16", "bfloat16", "mma"), ("fp8_ds_mla", "bfloat16", "rs-combine")))
 def test_cuda_splits_by_work_cut_a_uniform_batch_as_by_count(monkeypatch, fmt, q_dtype, kernel):
     """Sequences of one length: 16 splits by work of 4 on average are the 4 splits by count, bit
-    for bit (the spare splits of the grid stay empty)."""
+    for bit (the work list's CTAs take them in order)."""
     args, kw = make_case(fmt, q_dtype, lens=(5000,) * 6, heads=12, block_size=64, seed=17)
     kw = dict(kw, kernel=kernel, balance_splits=False)
     by_count = poisoned_run(args, dict(kw, num_splits=4), "cuda")

@@ -21,7 +21,7 @@ __device__ void attend(const DecodeAttention& a, const TileMaps& maps, const Cta
   const int64_t last_row = min64(row0 + kTileRows, rows) - 1;
   const int64_t seen_by_all = a.row_visible_len(len, row0);
   const int64_t seen_by_any = a.row_visible_len(len, last_row);
-  const Work w = split_work(a, b, row0, at.split, len, seen_by_any, batch_split_share(a));
+  const Work w = split_work(a, b, row0, at.split, len, seen_by_any, at.share);
   if (a.num_splits > 1 && w.first >= len) return;  // not a live split: the combine skips it
 
   Lane t;

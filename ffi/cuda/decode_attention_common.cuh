@@ -410,23 +410,61 @@ struct Work {
   int slot;  // the partial slot the CTA writes (its split), or -1: out and lse directly (one split)
 };
 
-// The least tokens of a split by work (DecodeAttention::split_share), in every lane of the calling
-// warp (whole warps; 0 without splits by work): the batch's lengths summed, a load a lane for
-// every 32 sequences (splits by work are chosen where the batch's CTAs do not fill the GPU, so B
-// is small).
+// By work, a sequence's tiles, and its live splits at a share of `share` tiles
+// (DecodeAttention::live_splits, exactly: ceil(ceil(len / n) / 64) = ceil(tiles / n)), in 32 bits
+// (64-bit divisions call a routine, whose saved registers rs_attention_kernel spilled; the handler
+// splits by work only where a sequence's tiles fit 31 bits).
+__device__ __forceinline__ unsigned sequence_tiles(const DecodeAttention& a, int64_t b) {
+  return unsigned((a.context_len(b) + kTileTokens - 1) / kTileTokens);
+}
+__device__ __forceinline__ unsigned live_splits_of_tiles(const DecodeAttention& a, unsigned tiles, unsigned share) {
+  const unsigned most = unsigned(a.num_splits), per = max((tiles + most - 1) / most, share);
+  return per == 0 ? 0u : (tiles + per - 1) / per;
+}
+
+// The share of a split by work (DecodeAttention::split_capacity), in every lane of the calling
+// warp (whole warps; 0 without splits by work): the fewest whole tiles a split may take such that
+// the batch's live splits fit the capacity, by bisection between the summed tiles over the
+// capacity (each sequence's splits are at least its tiles over the share) and that over the
+// capacity less the live sequences (at most one split a sequence more), or the longest sequence
+// (one split each). Every CTA finds the same share: integer arithmetic on the call's inputs. A
+// uniform batch ends at the first count; the serving batch of 17 live sequences in 32 after 3. A
+// load a lane for every 32 sequences a count (L1 hits after the first): splits by work are chosen
+// where the batch's CTAs do not fill the GPU, so B is small.
 __device__ __forceinline__ int64_t batch_split_share(const DecodeAttention& a) {
-  if (a.work_splits == 0) return 0;
-  int64_t total = 0;
-  for (int64_t b = threadIdx.x % 32; b < a.batch; b += 32) total += a.context_len(b);
+  if (a.work_splits == 0 || a.batch == 0) return 0;
+  const unsigned lane = threadIdx.x % 32;
+  uint64_t tiles = 0;
+  unsigned longest = 0, live = 0;
+  for (int64_t b = lane; b < a.batch; b += 32) {
+    const unsigned t = sequence_tiles(a, b);
+    tiles += t, longest = max(longest, t), live += t > 0;
+  }
 #pragma unroll
-  for (int k = 16; k > 0; k /= 2) total += __shfl_xor_sync(0xFFFFFFFFu, total, k);
-  return a.split_share(total);
+  for (int k = 16; k > 0; k /= 2) {
+    tiles += __shfl_xor_sync(0xFFFFFFFFu, tiles, k), live += __shfl_xor_sync(0xFFFFFFFFu, live, k);
+    longest = max(longest, __shfl_xor_sync(0xFFFFFFFFu, longest, k));
+  }
+  const uint64_t capacity = uint64_t(a.split_capacity());
+  if (tiles > INT32_MAX || capacity > INT32_MAX) return int64_t(longest) * kTileTokens;  // one split each
+  const unsigned total = unsigned(tiles), room = unsigned(capacity);
+  unsigned low = (total + room - 1) / room;  // = least_split_share's, in tiles
+  unsigned high = room > live ? min(longest, (total + room - live - 1) / (room - live)) : longest;
+  for (unsigned share = low; low < high; share = low + (high - low) / 2) {
+    unsigned splits = 0;
+    for (int64_t b = lane; b < a.batch; b += 32) splits += live_splits_of_tiles(a, sequence_tiles(a, b), share);
+#pragma unroll
+    for (int k = 16; k > 0; k /= 2) splits += __shfl_xor_sync(0xFFFFFFFFu, splits, k);
+    if (splits <= room) high = share;
+    else low = share + 1;
+  }
+  return int64_t(low) * kTileTokens;
 }
 
 // The work of split `split` of sequence b (len tokens) for the CTA whose first row is row0: its
 // first token, where its loads end (at most `visible`, the last token any of its rows sees) and its
 // tiles. One division: the bounds follow from the split's size. A split at or past the length
-// (first >= len) has no tiles. share: batch_split_share's.
+// (first >= len) has no tiles. share: the CTA's (CtaPlace).
 __device__ __forceinline__ Work split_work(const DecodeAttention& a, int64_t b, int64_t row0, int64_t split,
                                            int64_t len, int64_t visible, int64_t share) {
   Work w;
@@ -440,26 +478,60 @@ __device__ __forceinline__ Work split_work(const DecodeAttention& a, int64_t b, 
 }
 
 // Where a CTA of an attention kernel works: split `split` of sequence b (b >= B: nothing to do),
-// query rows from row_group x the kernel's rows a CTA. The grid is (row groups, sequences of a
-// wave, num_splits x waves of gridDim.y sequences; more than one wave only past 65535 sequences,
-// never for rs_attention_kernel), so that a CTA takes one (sequence, split) with no loop over
-// sequences (ptxas kept such a loop's invariants in registers through the whole body, and
-// spilled). The GPU starts CTAs x first, then y, then z: a sequence's row groups start together
-// (they read the same tokens, and the later ones find them in L2: S_q = 4, B 64 x 16k ran 45%
-// slower with them apart), then every sequence's first splits, and the splits that the lengths
-// leave empty (by work, 3/4 of a uniform batch's grid) start last, when they hold no SM that a
-// live split waits for. rs_attention_kernel's clusters are a sequence's splits along z.
+// query rows from row_group x the kernel's rows a CTA, the split share (batch_split_share's). By
+// count the grid is (row groups, sequences of a wave, num_splits x waves of gridDim.y sequences;
+// more than one wave only past 65535 sequences, never for rs_attention_kernel), so that a CTA
+// takes one (sequence, split) with no loop over sequences (ptxas kept such a loop's invariants in
+// registers through the whole body, and spilled). The GPU starts CTAs x first, then y, then z: a
+// sequence's row groups start together (they read the same tokens, and the later ones find them
+// in L2: S_q = 4, B 64 x 16k ran 45% slower with them apart), then every sequence's first splits.
+// rs_attention_kernel's clusters are a sequence's splits along z. By work the grid is (row groups,
+// B, work_splits), one CTA for each live split the share allows (work_place).
 struct CtaPlace {
-  int64_t b;
+  int64_t b, share;
   int split, row_group;
 };
-__device__ __forceinline__ CtaPlace cta_place(const DecodeAttention& a) {
-  const unsigned wave = blockIdx.z / unsigned(a.num_splits);
-  return {int64_t(wave) * gridDim.y + blockIdx.y, int(blockIdx.z - wave * unsigned(a.num_splits)), int(blockIdx.x)};
+
+// By work: CTA i = z * B + y (the order in which they start) takes the batch's i-th live split,
+// the sequences in order: the CTA counts the live splits of the sequences before its own (a warp
+// scan a pass of 32 sequences). The share lets the batch have at most B * work_splits of them (as
+// many as the grid's CTAs a row group); the CTAs past them have nothing to do. A grid with room for
+// a long sequence's every split (num_splits of them) would start mostly empty CTAs, each holding
+// an SM for its prologue and search (H200, uniform B 16 x 16k, 4 times the planned grid: 7-9 us).
+__device__ __forceinline__ CtaPlace work_place(const DecodeAttention& a, int64_t share) {
+  const unsigned lane = threadIdx.x % 32;
+  const int64_t i = int64_t(blockIdx.z) * a.batch + blockIdx.y;
+  int64_t before = 0;  // live splits of the sequences before this pass's
+  for (int64_t first = 0; first < a.batch; first += 32) {
+    const int64_t b = first + lane;
+    const int n = b < a.batch ? int(live_splits_of_tiles(a, sequence_tiles(a, b), unsigned(share / kTileTokens))) : 0;
+    int upto = n;  // live splits of this pass's sequences up to lane's, inclusive
+#pragma unroll
+    for (int k = 1; k < 32; k *= 2) {
+      const int below = __shfl_up_sync(0xFFFFFFFFu, upto, k);
+      if (lane >= unsigned(k)) upto += below;
+    }
+    const int64_t split = i - before - (upto - n);
+    const unsigned owner = __ballot_sync(0xFFFFFFFFu, split >= 0 && split < n);
+    if (owner != 0) {
+      const int at = __ffs(owner) - 1;
+      return {first + at, share, __shfl_sync(0xFFFFFFFFu, int(split), at), int(blockIdx.x)};
+    }
+    before += __shfl_sync(0xFFFFFFFFu, upto, 31);
+  }
+  return {a.batch, share, 0, int(blockIdx.x)};
 }
-// The same in a grid of one wave (rs_attention_kernel): the block index itself, which ptxas reads
-// again where a register would have to hold it (its producer's and consumers' registers are few).
-__device__ __forceinline__ CtaPlace cta_place_in_one_wave() { return {int64_t(blockIdx.y), int(blockIdx.z), int(blockIdx.x)}; }
+
+// The CTA's place (whole warps: by work, each warp finds it).
+__device__ __forceinline__ CtaPlace cta_place(const DecodeAttention& a) {
+  if (a.work_splits > 0) return work_place(a, batch_split_share(a));
+  const unsigned wave = blockIdx.z / unsigned(a.num_splits);
+  return {int64_t(wave) * gridDim.y + blockIdx.y, 0, int(blockIdx.z - wave * unsigned(a.num_splits)), int(blockIdx.x)};
+}
+// The same in a grid of one wave by count (rs_attention_kernel): the block index itself, which
+// ptxas reads again where a register would have to hold it (its producer's and consumers'
+// registers are few).
+__device__ __forceinline__ CtaPlace cta_place_in_one_wave() { return {int64_t(blockIdx.y), 0, int(blockIdx.z), int(blockIdx.x)}; }
 
 // The cache row of token `token` of tile `tile`, or -1: masked, past the loaded range, or no such
 // tile.

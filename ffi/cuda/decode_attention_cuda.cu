@@ -117,8 +117,8 @@
 // nearly match and the 1-byte formats' do not: with the whole context in L2 they run no faster,
 // and one barrier a tile instead of two ran slower (Thirteenth round). The split count is the
 // caller's choice: one CTA per SM, so num_splits * ceil(S_q*H / 16) * B should reach the SM count;
-// with work_splits the caller's grid has room for a ragged batch's long sequences, and the CTAs
-// share the batch's tokens out at run time (DecodeAttention::split_share, ops.split_plan).
+// with work_splits the grid holds B x work_splits CTAs a row group, which share the batch's tokens
+// out at run time, a live split each (DecodeAttention::split_capacity, work_place, ops.split_plan).
 // Two opt-in kernels that stayed slower than the defaults were retired on 2026-12-04 (fp8_ds_mla on
 // f16 mma.sync with the tile scales out of the MMAs, and the 1-byte formats on wgmma fed by
 // converter warps); docs/DECODE_ATTENTION.md keeps their rounds and the commit that last held them.
@@ -229,11 +229,11 @@ ffi::Error launch_wide_attention(cudaStream_t stream, const DecodeAttention& a, 
 
 // rs_attention_kernel's launch over grid, its shared memory allowed; with a cluster of the grid's
 // splits (grid.z CTAs) where `cluster` (attribute: the storage of that setting).
-template <CacheFormat kFormat>
+template <CacheFormat kFormat, bool kByWork>
 cudaLaunchConfig_t rs_launch_config(dim3 grid, cudaStream_t stream, bool cluster, cudaLaunchAttribute& attribute,
                                     cudaError_t& err) {
   constexpr int kBytes = RsLayout<kFormat>::kBytes;
-  err = cudaFuncSetAttribute(rs_attention_kernel<kFormat>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+  err = cudaFuncSetAttribute(rs_attention_kernel<kFormat, kByWork>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
   attribute = cudaLaunchAttribute{};
   attribute.id = cudaLaunchAttributeClusterDimension;
   attribute.val.clusterDim.x = 1, attribute.val.clusterDim.y = 1, attribute.val.clusterDim.z = grid.z;
@@ -273,8 +273,9 @@ bool rs_splits_fit_a_cluster(int device, dim3 grid) {
   const int clusters = asked_once(resident[device][splits], [splits](int& count) {  // failed: combine_kernel
     cudaLaunchAttribute attribute;
     cudaError_t err = cudaSuccess;
-    const cudaLaunchConfig_t config = rs_launch_config<kFormat>(dim3(1, 1, unsigned(splits)), nullptr, true, attribute, err);
-    return err != cudaSuccess ? err : cudaOccupancyMaxActiveClusters(&count, rs_attention_kernel<kFormat>, &config);
+    const cudaLaunchConfig_t config =
+        rs_launch_config<kFormat, false>(dim3(1, 1, unsigned(splits)), nullptr, true, attribute, err);
+    return err != cudaSuccess ? err : cudaOccupancyMaxActiveClusters(&count, rs_attention_kernel<kFormat, false>, &config);
   });
   return int64_t(grid.x) * grid.y <= clusters;
 }
@@ -293,9 +294,12 @@ ffi::Error launch_rs_attention(cudaStream_t stream, const DecodeAttention& a, di
     if (ffi::Error map_err = make_tile_maps(a, maps); map_err.failure()) return map_err;
   cudaLaunchAttribute attribute;
   cudaError_t err = cudaSuccess;
-  const cudaLaunchConfig_t config = rs_launch_config<kFormat>(grid, stream, merged_in_cluster, attribute, err);
+  const bool by_work = a.work_splits > 0;
+  const cudaLaunchConfig_t config = by_work ? rs_launch_config<kFormat, true>(grid, stream, false, attribute, err)
+                                            : rs_launch_config<kFormat, false>(grid, stream, merged_in_cluster, attribute, err);
   if (err != cudaSuccess) return cuda_error("allowing rs_attention_kernel's shared memory", err);
-  err = cudaLaunchKernelEx(&config, rs_attention_kernel<kFormat>, a, maps);
+  err = by_work ? cudaLaunchKernelEx(&config, rs_attention_kernel<kFormat, true>, a, maps)
+                : cudaLaunchKernelEx(&config, rs_attention_kernel<kFormat, false>, a, maps);
   return err == cudaSuccess ? ffi::Error::Success() : cuda_error("launching rs_attention_kernel", err);
 }
 
@@ -340,8 +344,9 @@ DecodeKernel choose_kernel(const DecodeAttention& a, int major, KernelRequest ch
   // by work, work_splits of them): with fewer, its one-warpgroup tiles and longer prologue lose
   // (H200, H 12, B = 1, context 4096: fp8_ds_mla 15.3 against attention_kernel's 12.2 us, plain
   // fp8 16.2 against fp8_attention_kernel's 13.4).
+  const int64_t table_tiles = (a.max_len() + kTileTokens - 1) / kTileTokens;
   if (choice != R::kMma && rs_applies &&
-      (rs_asked || a.split_tokens(a.max_len(), a.split_share(a.batch * a.max_len())) >= kRsMinSplitTiles * kTileTokens))
+      (rs_asked || a.split_tokens(a.max_len(), a.least_split_share(a.batch * table_tiles)) >= kRsMinSplitTiles * kTileTokens))
     return DecodeKernel::kRs;
   if (choice != R::kMma && kFp8KernelBuilt && fp8_under_e4m3 && a.q_tokens == 1) return DecodeKernel::kFp8;
   const bool many_rows = a.rows() >= kWideMinRows || (a.rows() >= kWideMinRowsBatched && a.batch >= kWideMinBatch);
@@ -401,12 +406,14 @@ ffi::Error run(cudaStream_t stream, const DecodeAttention& a, const DecodeLaunch
     return invalid_argument(kDecodeAttentionTarget, "too many query rows (S_q * H)");
   // Grid y (of the combine too) holds at most 65535 sequences: the attention kernels take the rest
   // as further waves of splits in grid z (cta_place; rs_attention_kernel is not taken past 65535),
-  // the combine loops over them.
+  // the combine loops over them. By work, a CTA for each of the B x work_splits splits the share
+  // allows (work_place; the handler keeps B within one wave).
   const unsigned batch_blocks = unsigned(a.batch < kMaxGridYZ ? a.batch : kMaxGridYZ);
   const int64_t sequence_waves = (a.batch + batch_blocks - 1) / batch_blocks;
   if (a.num_splits * sequence_waves > kMaxGridYZ)
     return invalid_argument(kDecodeAttentionTarget, "too many sequences for the split count (num_splits x ceil(B / 65535) > 65535)");
-  const dim3 grid(unsigned(row_groups), batch_blocks, unsigned(a.num_splits * sequence_waves));
+  const int64_t grid_splits = a.work_splits > 0 ? a.work_splits : a.num_splits * sequence_waves;
+  const dim3 grid(unsigned(row_groups), batch_blocks, unsigned(grid_splits));
   const bool f16 = mma_type(a) == ActType::kF16;
   ffi::Error err = ffi::Error::Success();
   bool merged_in_cluster = false;  // the splits merged in the attention kernel: no combine
@@ -479,6 +486,9 @@ ffi::Error decode_attention_handler(cudaStream_t stream, ffi::AnyBuffer q, ffi::
       err.failure())
     return err;
   if (a.batch == 0 || a.heads == 0 || a.rows() == 0) return ffi::Error::Success();
+  // Splits by work need the batch in one wave of the grid (work_place) and a sequence's tiles in 32
+  // bits (batch_split_share); past them (absurd sizes) the splits are by count, the grid's many.
+  if (a.batch > kMaxGridYZ || (a.max_len() + kTileTokens - 1) / kTileTokens > INT32_MAX) a.work_splits = 0;
   // cp.async moves 16-byte chunks; q is read in 16-byte (8-byte for fp8) chunks.
   if (reinterpret_cast<uintptr_t>(a.cache) % 16 != 0 || a.row_bytes % 16 != 0 ||
       reinterpret_cast<uintptr_t>(a.q) % 16 != 0)

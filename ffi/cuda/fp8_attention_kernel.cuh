@@ -111,7 +111,7 @@ __device__ void attend_fp8(const DecodeAttention& a, const CtaPlace& at, const S
   using L = Fp8Layout;
   constexpr CacheFormat kFormat = CacheFormat::kFp8;
   const int64_t b = at.b, len = a.context_len(b);
-  const Work w = split_work(a, b, int64_t(at.row_group) * kTileRows, at.split, len, len, batch_split_share(a));
+  const Work w = split_work(a, b, int64_t(at.row_group) * kTileRows, at.split, len, len, at.share);
   if (a.num_splits > 1 && w.first >= len) return;  // not a live split: the combine skips it
 
   Lane t;

@@ -142,11 +142,13 @@ struct RsLayout {
   static constexpr int kLse = kStats + (int(sizeof(QPrescale)) + 15) / 16 * 16; // float [16]: a cluster's rows
   static constexpr int kEnds = kLse + kTileRows * 4;                            // int [stage]: the stream's end
   static constexpr int kClaimed = kEnds + kRsStages * 4;                        // RsTile [2]: claims for warp 1
-  static constexpr int kRows = kClaimed + 2 * 16;                               // int64 [stage][64] (plain fp8)
+  static constexpr int kPlace = kClaimed + 2 * 16;                              // CtaPlace: the producer's
+  static constexpr int kRows = kPlace + 32;                                     // int64 [stage][64] (plain fp8)
   static constexpr int kBytes = kRows + (kFp8 ? kRsStages * kTileTokens * 8 : 0);
   // At the end, over the stages: the staged output rows in stage 0, each warpgroup's half of out for
   // the other in stage 2 + group; over the P tiles, a cluster merge's weights.
   static_assert(kStageBytes % 1024 == 0 && kQ % 1024 == 0 && kQpe % 512 == 0 && kP % 1024 == 0 && kRows % 16 == 0);
+  static_assert(sizeof(CtaPlace) <= kRows - kPlace);
   static_assert(kTileRows * kStagingStride * 4 <= kStageBytes && 4 * 2 * 128 * 16 <= kStageBytes && kRsStages >= 4);
   static_assert(kBytes <= 232448, "more than sm_90's 227 KB of shared memory per block");
 };
@@ -319,11 +321,12 @@ __device__ __forceinline__ RsTile rs_split_tile(int per, int len, int j, int i) 
   return RsTile{first + i * kTileTokens, min(first + per, len)};
 }
 
-// The claim record of split j of the CTA's sequence and query rows (cta_place_in_one_wave: the
-// block index, read again each time rather than held in a register through the producer's loop).
-__device__ __forceinline__ SplitClaim* rs_record(const DecodeAttention& a, int j) {
-  const CtaPlace at = cta_place_in_one_wave();
-  return a.claim_record(j, at.b, int64_t(at.row_group) * kTileRows);
+// The claim record of split j of sequence b, the CTA's query rows. By count, the sequence and the
+// rows are the block index's, read again each time rather than held in a register through the
+// producer's loop (b is then unused); by work, b is the work list's.
+template <bool kByWork>
+__device__ __forceinline__ SplitClaim* rs_record(const DecodeAttention& a, int64_t b, int j) {
+  return a.claim_record(j, kByWork ? b : int64_t(blockIdx.y), int64_t(blockIdx.x) * kTileRows);
 }
 
 // The owner's record opened: claimed = 0 made visible before the tag that lets others claim.
@@ -338,12 +341,13 @@ __device__ __forceinline__ void open_claims(SplitClaim* record) {
 // own record may still have tiles; then lane 0's `ahead` is a claim on it already made (an atomic
 // add's result, first used here), and the next one is made before returning, so that no atomic's
 // latency sits between a freed stage and its next tile.
-__device__ __forceinline__ RsTile rs_claim(const DecodeAttention& a, int me, int len, int per, bool& own_open,
-                                           unsigned& ahead) {
+template <bool kByWork>
+__device__ __forceinline__ RsTile rs_claim(const DecodeAttention& a, int64_t b, int me, int len, int per,
+                                           bool& own_open, unsigned& ahead) {
   const int lane = int(threadIdx.x) % 32, live = DecodeAttention::splits_of(len, per);
   if (own_open) {
     const int tiles = rs_split_tiles(per, len, me), tail = rs_tail_tiles(tiles);
-    SplitClaim* mine = rs_record(a, me);
+    SplitClaim* mine = rs_record<kByWork>(a, b, me);
     const unsigned got = __shfl_sync(0xFFFFFFFFu, ahead, 0);
     if (got < unsigned(tail)) {
       if (lane == 0) ahead = atomicAdd(&mine->claimed, 1u);
@@ -359,7 +363,7 @@ __device__ __forceinline__ RsTile rs_claim(const DecodeAttention& a, int me, int
     int key = 0;
     if (lane < live - 1) {
       const int j = (me + 1 + lane) % live, tail = rs_tail_tiles(rs_split_tiles(per, len, j));
-      const SplitClaim* record = rs_record(a, j);
+      const SplitClaim* record = rs_record<kByWork>(a, b, j);
       const unsigned long long open = *reinterpret_cast<const volatile unsigned long long*>(&record->open);
       const int left = tail - int(*reinterpret_cast<const volatile unsigned*>(&record->claimed));
       if (open == kClaimOpen && tail > 0 && left > 0) key = min(left, (1 << 21) - 1) << 10 | j;
@@ -370,7 +374,7 @@ __device__ __forceinline__ RsTile rs_claim(const DecodeAttention& a, int me, int
     unsigned got = 0;
     if (lane == 0) {
       __threadfence();  // after seeing the tag: the owner's claimed = 0 comes first
-      got = atomicAdd(&rs_record(a, j)->claimed, 1u);
+      got = atomicAdd(&rs_record<kByWork>(a, b, j)->claimed, 1u);
     }
     got = __shfl_sync(0xFFFFFFFFu, got, 0);
     const int tiles = rs_split_tiles(per, len, j), tail = rs_tail_tiles(tiles);
@@ -389,9 +393,10 @@ __device__ __forceinline__ RsTile rs_claim(const DecodeAttention& a, int me, int
 // tile is known (claimed) and its rows looked up while the current one's stage is waited for. The
 // consumers neither look up nor issue: wgmma is a warpgroup's, so a warp busy issuing held up its
 // warpgroup's next MMA (docs/DECODE_ATTENTION.md, Twenty-fifth round).
-// Its split is worked out here again, in 32-bit, from the block index: values kept from before the
-// branch must fit the producer's registers too, and ptxas spilled them, the consumers' copies also.
-template <CacheFormat kFormat>
+// Its place is worked out here again (by count from the block index, by work read from L::kPlace),
+// its split in 32-bit: values kept from before the branch must fit the producer's registers too,
+// and ptxas spilled them, the consumers' copies also.
+template <CacheFormat kFormat, bool kByWork>
 __device__ void produce_rs_tiles(const DecodeAttention& a, const TileMaps& maps, uint8_t* smem, bool balanced) {
   using L = RsLayout<kFormat>;
   constexpr bool kFp8 = L::kFp8;
@@ -406,9 +411,9 @@ __device__ void produce_rs_tiles(const DecodeAttention& a, const TileMaps& maps,
   int64_t* tile_rows = reinterpret_cast<int64_t*>(smem + L::kRows);     // plain fp8: [stage][64]
   int* ends = reinterpret_cast<int*>(smem + L::kEnds);
   RsTile* handed = reinterpret_cast<RsTile*>(smem + L::kClaimed);       // [claim % 2]: warp 0's, for warp 1
-  const CtaPlace at = cta_place_in_one_wave();
+  const CtaPlace at = kByWork ? *reinterpret_cast<const CtaPlace*>(smem + L::kPlace) : cta_place_in_one_wave();
   const int64_t b = at.b;
-  const int len = int(a.context_len(b)), per = int(a.split_tokens(len, batch_split_share(a))), me = at.split;
+  const int len = int(a.context_len(b)), per = int(a.split_tokens(len, at.share)), me = at.split;
   balanced = balanced && per >= kRsBalancedMinTiles<kFormat> * kTileTokens;
   const int tiles = int64_t(me) * per < len ? rs_split_tiles(per, len, me) : 0;
   const int own = balanced ? tiles - rs_tail_tiles(tiles) : tiles;
@@ -419,12 +424,12 @@ __device__ void produce_rs_tiles(const DecodeAttention& a, const TileMaps& maps,
   const auto tile_at = [&](int t) {
     if (t < own) {
       if (t + 1 == own && own_open && thread == 0)  // the first claim, a position ahead (opened by now)
-        ahead = atomicAdd(&rs_record(a, me)->claimed, 1u);
+        ahead = atomicAdd(&rs_record<kByWork>(a, b, me)->claimed, 1u);
       return rs_split_tile(per, len, me, t);
     }
     if (!balanced) return RsTile{-1, 0};
     RsTile got{-1, 0};
-    if (thread < 32) got = rs_claim(a, me, len, per, own_open, ahead);
+    if (thread < 32) got = rs_claim<kByWork>(a, b, me, len, per, own_open, ahead);
     if constexpr (!kFp8) {  // warp 0 claims for both warps
       RsTile* slot = handed + (claims & 1);  // two slots: warp 1 has read one before warp 0 refills it
       if (thread == 0) *slot = got;
@@ -478,19 +483,19 @@ __device__ void produce_rs_tiles(const DecodeAttention& a, const TileMaps& maps,
     // thread's loads) is off the first tiles' path, and before this CTA's first claim
     // (tile_at(own - 1), at t = own - 2).
     if (t == min(kRsStages - 1, own - 3) && own_open && thread == 0)
-      open_claims(rs_record(a, me));
+      open_claims(rs_record<kByWork>(a, b, me));
     tile = following, rows[0] = next[0], rows[1] = next[1];
   }
 }
 
-template <CacheFormat kFormat>
+template <CacheFormat kFormat, bool kByWork>
 __device__ __forceinline__ void attend_rs(const DecodeAttention& a, const CtaPlace& at, const Scales& scales,
                                           const TileMaps& maps, uint8_t* smem) {
   using L = RsLayout<kFormat>;
   constexpr bool kFp8 = L::kFp8;
   constexpr int kEntryBytes = kDsMlaEntryBytes;  // fp8_ds_mla's raw rows
   const int64_t b = at.b, len = a.context_len(b);
-  const Work w = split_work(a, b, int64_t(at.row_group) * kTileRows, at.split, len, len, batch_split_share(a));
+  const Work w = split_work(a, b, int64_t(at.row_group) * kTileRows, at.split, len, len, at.share);
   // A split past the length: the combine skips it; in a cluster it stages empty rows for the merge.
   const bool in_cluster = cluster_size() > 1;
   if (a.num_splits > 1 && w.first >= len && !in_cluster) return;
@@ -510,14 +515,15 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, const CtaPla
   if (tid == 0) {
     for (int s = 0; s < kRsStages; ++s) mbarrier_init(full + s, kFp8 ? 32 : kTileTokens), mbarrier_init(empty + s, 128);
     mbarrier_init_fence();
+    if constexpr (kByWork) *reinterpret_cast<CtaPlace*>(smem + L::kPlace) = at;  // for the producer
   }
   if (tid < kTileRows) stats.q_max_bits[tid] = 0;
   if (tid < kRsStages) ends[tid] = 0;
-  __syncthreads();  // the mbarriers, the zeroed maxima and ends are ready
+  __syncthreads();  // the mbarriers, the zeroed maxima and ends, the place are ready
   JKM_PHASE_AT(1);
   if (uniform_warp_index() / 4 == kRsGroups) {  // the producer: every tile of the split, then the cluster's barriers
     set_max_registers<kRsProducerRegisters<kFormat>, false>();
-    produce_rs_tiles<kFormat>(a, maps, smem, a.claims != nullptr && !in_cluster);
+    produce_rs_tiles<kFormat, kByWork>(a, maps, smem, a.claims != nullptr && !in_cluster);
     if (in_cluster) cluster_sync(), cluster_sync();  // merge_cluster_splits's
     return;
   }
@@ -886,16 +892,23 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, const CtaPla
   store_staged_rows<kTileRows, kThreads>(a, w, rows, staging, tid);
 }
 
-// One split of a sequence a CTA: grid (row groups, B <= 65535, splits), cta_place_in_one_wave.
-// The tensor maps are plain fp8's (zero for fp8_ds_mla).
-template <CacheFormat kFormat>
+// One split of a sequence a CTA: grid (row groups, B <= 65535, splits) by count
+// (cta_place_in_one_wave), (row groups, B, work_splits) by work (work_place; its own instance, so
+// that the calls by count keep their registers: by count the place is the block index, which
+// ptxas reads again where needed). The tensor maps are plain fp8's (zero for fp8_ds_mla).
+template <CacheFormat kFormat, bool kByWork>
 __global__ void __launch_bounds__(kRsThreads, 1)
     rs_attention_kernel(const DecodeAttention a, const __grid_constant__ TileMaps maps) {
   extern __shared__ __align__(1024) uint8_t smem[];
   JKM_PHASE_AT(0);
   let_dependent_launch_start();
   if constexpr (kFormat == CacheFormat::kFp8) prefetch_tile_maps<kFormat>(maps);
-  attend_rs<kFormat>(a, cta_place_in_one_wave(), load_scales<kFormat>(a), maps, smem);
+  if constexpr (kByWork) {
+    const CtaPlace at = work_place(a, batch_split_share(a));
+    if (at.b < a.batch) attend_rs<kFormat, true>(a, at, load_scales<kFormat>(a), maps, smem);
+  } else {
+    attend_rs<kFormat, false>(a, cta_place_in_one_wave(), load_scales<kFormat>(a), maps, smem);
+  }
   JKM_PHASE_AT(6);
 }
 

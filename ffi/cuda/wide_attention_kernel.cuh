@@ -65,7 +65,7 @@ __device__ void attend_wide(const DecodeAttention& a, const TileMaps& maps, cons
   using L = WideLayout;
   constexpr bool kF16 = kElem == ActType::kF16;
   const int64_t b = at.b, rows = a.rows(), len = a.context_len(b);
-  const Work w = split_work(a, b, int64_t(at.row_group) * kWideRows, at.split, len, len, batch_split_share(a));
+  const Work w = split_work(a, b, int64_t(at.row_group) * kWideRows, at.split, len, len, at.share);
   if (a.num_splits > 1 && w.first >= len) return;  // not a live split: the combine skips it
 
   const int warp = uniform_warp_index(), lane = int(threadIdx.x) % 32;

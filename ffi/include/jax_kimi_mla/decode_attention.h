@@ -49,7 +49,7 @@ struct DecodeAttention : PagedCache {
   // then the lse [num_splits, B, S_q * H] (outputs apart so that their rows are 16-byte aligned).
   float* partials = nullptr;
   int num_splits = 1;
-  int work_splits = 0;  // splits by work: split_share (0: every sequence cut into num_splits)
+  int work_splits = 0;  // splits by work: split_capacity (0: every sequence cut into num_splits)
   // The splits' claim records (SplitClaim, one per split and CTA: claim_record), or null: each
   // split takes exactly its own tiles. Ahead of partials in the same scratch.
   SplitClaim* claims = nullptr;
@@ -70,8 +70,8 @@ struct DecodeAttention : PagedCache {
   // Split s of a sequence of `len` tokens covers tokens [s * per, min((s + 1) * per, len)), per =
   // split_tokens(len, share): equal runs of whole kSplitTokens tiles, the last ones possibly empty
   // (skipped on the device; the combine reads only splits with s * per < len). A split holds at
-  // least 1 / num_splits of its sequence and at least `share` tokens (split_share: 0 without
-  // splits by work), so a sequence never has more than num_splits splits.
+  // least 1 / num_splits of its sequence and at least `share` tokens (batch_split_share: 0
+  // without splits by work), so a sequence never has more than num_splits splits.
   static constexpr int64_t kSplitTokens = 64;
   JKM_HD int64_t split_tokens(int64_t len, int64_t share) const {
     const int64_t per = (len + num_splits - 1) / num_splits;
@@ -83,13 +83,18 @@ struct DecodeAttention : PagedCache {
   // Splits by work (work_splits > 0): the batch's B * work_splits splits shared out by length
   // instead of by count, so that a ragged or padded batch (a serve loop's decode step) keeps the
   // CTAs that a uniform one of work_splits splits a sequence would use, each with a like amount of
-  // work: every split gets at least total / (B * work_splits) tokens, in whole tiles (total: the
-  // batch's summed lengths, which every CTA adds up). A uniform batch is cut as by work_splits
-  // alone; num_splits (the grid) bounds what a long sequence takes.
-  JKM_HD int64_t split_share(int64_t total) const {
+  // work. The share is the fewest whole tiles a split may take such that the batch, every
+  // sequence cut by split_tokens(len, share), has at most B * work_splits live splits: they then
+  // run in the waves that ops.split_plan planned, where a few more would start a wave of their
+  // own (batch_split_share, decode_attention_common.cuh, searches it; the grid has a CTA for each,
+  // work_place). A uniform batch is cut as by work_splits alone; num_splits (the partials' room)
+  // bounds what a long sequence takes.
+  JKM_HD int64_t split_capacity() const { return batch * work_splits; }
+  // The share's lower bound: `tiles` (the batch's summed tiles) over the capacity, the share
+  // itself where every sequence holds the same tiles.
+  JKM_HD int64_t least_split_share(int64_t tiles) const {
     if (work_splits == 0 || batch == 0) return 0;
-    const int64_t splits = batch * work_splits, per = (total + splits - 1) / splits;
-    return (per + kSplitTokens - 1) / kSplitTokens * kSplitTokens;
+    return (tiles + split_capacity() - 1) / split_capacity() * kSplitTokens;
   }
 
   // Partial result of split s for query row r of sequence b: 512 normalized outputs, and its lse.
@@ -110,7 +115,7 @@ struct DecodeAttention : PagedCache {
 // splits merge in combine_kernel and the scratch has room for the claims, a sequence's splits share
 // out their last tiles at run time; false: each split takes exactly its tiles, so that results
 // repeat bit for bit). The CPU handler checks and ignores them, and `work_splits` too (the split
-// geometry: DecodeAttention::split_share).
+// geometry: DecodeAttention::split_capacity).
 // Host.
 enum class KernelRequest : uint8_t { kAuto, kMma, kRs, kRsCombine, kWide };
 struct DecodeLaunch {
@@ -142,7 +147,7 @@ constexpr std::string_view kDecodeAttentionTarget = "mla_decode_attention";  // 
 // Results: out act [B * S_q, H, 512]; lse f32 [B * S_q, H]; partials f32 [num_splits * B * S_q *
 // H * 517] (the claims, then the outputs and the lse; * 513: no claims; empty when num_splits ==
 // 1). Attributes: softmax_scale (f32), q_tokens (i64 S_q, 1..4), num_splits (i64 >= 1); optional:
-// work_splits (i64 0..num_splits, DecodeAttention::split_share), kernel, programmatic_combine,
+// work_splits (i64 0..num_splits, DecodeAttention::split_capacity), kernel, programmatic_combine,
 // balance_splits (DecodeLaunch). The query
 // is 3-D so that the decode epilogue's mqa_q [B, H, 576] (B * S_q rows) feeds it with no reshape,
 // which XLA may turn into a copy.
