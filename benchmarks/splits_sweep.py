@@ -8,10 +8,11 @@ Each case is FORMAT:B:CONTEXT:H[:LIVE] (S_q = 1, block size 64, inputs as bench_
 builds them, tables CONTEXT tokens wide). With LIVE, only LIVE rows (at random places) hold a
 sequence, of a random length in [256, CONTEXT], and the others are padding (length 0), as in a
 serve loop's fixed-size decode batch; else every sequence is CONTEXT tokens long. Each line prints
-the op's default first where it splits by work (ops.split_plan: "G by work of W"), then for every
-split count by count, the device time per call (median over calls: the span from the first
-kernel's start to the last one's end, which counts the combine's programmatic launch once, then
-the kernels summed); "*" marks default_num_splits where the op splits by count.
+the op's default first where it splits by work (ops.split_plan: "N by work of W", N the most
+splits a sequence may take, W a sequence's on average), then for every split count by count, the
+device time per call (median over calls: the span from the first kernel's start to the last one's
+end, which counts the combine's programmatic launch once, then the kernels summed); "*" marks
+default_num_splits where the op splits by count.
 """
 
 from __future__ import annotations
@@ -52,11 +53,11 @@ def main(argv=None) -> None:
         fmt, batch, context, heads, args = case_inputs(case)
         cache_dtype = jax.numpy.bfloat16 if fmt == "bf16" else jax.numpy.uint8  # the rule needs 16 bits or not
         rows_per_cta = ops._decode_rows_per_cta(cache_dtype, batch, 1, heads)
-        grid, work = ops.split_plan(batch, heads, context, sm_count, rows_per_cta)
-        default = work or grid  # default_num_splits: the plan's average by work, else its count
+        most, work = ops.split_plan(batch, heads, context, sm_count, rows_per_cta)
+        default = work or most  # default_num_splits: the plan's average by work, else its count
         cells = []
         if work:
-            cells.append(f"{grid} by work of {work}: {device_us(ops.mla_decode_attention, fmt, args, opts.calls)}")
+            cells.append(f"{most} by work of {work}: {device_us(ops.mla_decode_attention, fmt, args, opts.calls)}")
         for splits in sorted({int(s) for s in opts.splits.split(",")} | {default}):
             if splits > -(-context // 64):
                 continue

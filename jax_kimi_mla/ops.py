@@ -285,16 +285,16 @@ def split_plan(batch: int, rows: int, max_len: int, sm_count: int, rows_per_cta:
     batch needs at most that many): a uniform batch is cut as before, a ragged or padded one gives
     its long sequences more splits (num_splits: up to SPLIT_HEADROOM times as many, at most a split
     a 64-token tile) and its short ones fewer. Else, where a planned split of the table holds fewer than
-    SPLIT_BY_WORK_MIN_TILES tiles, or where the grid has no room above the plan (one sequence),
+    SPLIT_BY_WORK_MIN_TILES tiles, or where a sequence may take no more than the plan (one sequence),
     (default_num_splits, 0): every sequence cut into that many."""
     planned = default_num_splits(batch, rows, max_len, sm_count, rows_per_cta)
     tiles = -(-max_len // SPLIT_TOKENS)
-    # A batch's longest sequence takes at most all of its B x planned splits.
-    grid = min(SPLIT_HEADROOM * planned, batch * planned, tiles, _checks.MAX_SPLITS)
+    # The most splits a sequence may take: at most all of the batch's B x planned ones.
+    most = min(SPLIT_HEADROOM * planned, batch * planned, tiles, _checks.MAX_SPLITS)
     long_splits = tiles >= SPLIT_BY_WORK_MIN_TILES * planned
     # One split (the batch fills the GPU: no combine launch), short splits, or no room above the
     # plan (one sequence; a split a tile already): splits by count.
-    return (grid, planned) if split_by_work and long_splits and 1 < planned < grid else (planned, 0)
+    return (most, planned) if split_by_work and long_splits and 1 < planned < most else (planned, 0)
 
 
 def mla_decode_attention(
