@@ -465,6 +465,21 @@ def test_cuda_splits_by_work_cut_a_uniform_batch_as_by_count(monkeypatch, fmt, q
         np.testing.assert_array_equal(got, want)
 
 
+# A uniform batch by work takes a path of its own (work_place: the share is the lower bound, a
+# CTA's place a division, no scan): sequences of one length, none (all padding) and one token; a
+# plan with room for no more splits a sequence than the average (4 by 4: at most num_splits).
+@pytest.mark.cuda
+@pytest.mark.parametrize("plan", ((16, 4), (4, 4)), ids=lambda p: f"{p[0]}by{p[1]}")
+@pytest.mark.parametrize("lens", ((5000,) * 6, (0,) * 4, (1,) * 3), ids=("5000x6", "0x4", "1x3"))
+@pytest.mark.parametrize("fmt,q_dtype,kernel", (("bf16", "bfloat16", "mma"), ("fp8", "float8_e4m3fn", "rs"),
+                                                ("fp8_ds_mla", "bfloat16", "auto")))
+def test_cuda_splits_by_work_of_uniform_batches(monkeypatch, fmt, q_dtype, kernel, lens, plan):
+    args, kw = make_case(fmt, q_dtype, lens=lens, heads=12, block_size=64, seed=18)
+    kw = dict(kw, kernel=kernel)
+    monkeypatch.setattr(jax_kimi_mla.ops, "split_plan", lambda *a, **k: plan)
+    assert_close(fmt, q_dtype, poisoned_run(args, kw, "cuda"), run(reference.mla_decode_attention, args, kw, "cpu"))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("kernel", ["auto", "rs"])
 def test_cuda_ds_mla_scales_far_apart(kernel):

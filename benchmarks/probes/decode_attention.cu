@@ -11,8 +11,10 @@
 // prints where a call's time goes beyond its tiles' streaming: what a CTA spends before its first
 // tile and after its last, and how the CTAs start and end.
 //
-// Cases: the arguments, each format:B:context:H:splits (format bf16, fp8 or ds), or four default
-// ones. PROBE_KERNELS=default,rs-combine,... (comma-separated; "default" unsets the choice) times
+// Cases: the arguments, each format:B:context:H:splits[:work] (format bf16, fp8 or ds; with work,
+// splits by work of `work` a sequence on average, at most `splits`), or four default ones.
+// PROBE_LIVE=n: only n rows (at random places) hold a sequence, of a random length in [256,
+// context], the others are padding (length 0), as in benchmarks/splits_sweep.py's serving batch. PROBE_KERNELS=default,rs-combine,... (comma-separated; "default" unsets the choice) times
 // other kernel choices than mma, default and rs; a name ending in "-fixed" runs its choice with no
 // room for the splits' claims (each split takes exactly its tiles: balance_splits=False).
 // PROBE_L2_BLOCKS=n points every table at the first n blocks. -DJKM_RS_FP8_BALANCED_MIN_TILES=n
@@ -66,7 +68,7 @@ using namespace probe_common;
 
 struct Case {
   CacheFormat format;
-  int batch, context, heads, splits;
+  int batch, context, heads, splits, work;
 };
 
 int entry_bytes(CacheFormat f) {
@@ -125,7 +127,8 @@ void print_phases(const DecodeAttention& a, const Case& k, double tiles_per_cta)
   if (!ok(cudaDeviceSynchronize(), "stamped call")) return;
   cudaMemcpyFromSymbol(ns, g_phase_ns, sizeof ns), cudaMemcpyFromSymbol(cycles, g_phase_cycles, sizeof cycles);
   cudaMemcpyFromSymbol(tiles, g_tile_cycles, sizeof tiles);
-  const int ctas = int(std::min<int64_t>(int64_t(k.splits) * ((k.heads + kTileRows - 1) / kTileRows) * k.batch, kStampedCtas));
+  const int grid_splits = k.work > 0 ? k.work : k.splits;
+  const int ctas = int(std::min<int64_t>(int64_t(grid_splits) * ((k.heads + kTileRows - 1) / kTileRows) * k.batch, kStampedCtas));
   const char* names[kPhasePoints - 1] = {"lookups", "prologue", "first tile", "loop", "rows staged", "out"};
   double sum[kPhasePoints - 1] = {}, lo[kPhasePoints - 1], hi[kPhasePoints - 1] = {};
   std::fill(lo, lo + (kPhasePoints - 1), 1e30);
@@ -172,6 +175,12 @@ int run_case(const Case& k, std::mt19937& rng) {
   const int64_t distinct = l2_blocks ? std::max<int64_t>(1, std::atoll(l2_blocks)) : int64_t(tables.size());
   for (size_t i = 0; i < tables.size(); ++i) tables[i] = int32_t(int64_t(i) % distinct);
   std::shuffle(tables.begin(), tables.end(), rng);
+  if (const char* live = std::getenv("PROBE_LIVE")) {
+    std::fill(lens.begin(), lens.end(), 0);
+    std::uniform_int_distribution<int> length(std::min(256, k.context), k.context);
+    for (int i = 0; i < std::min(k.batch, std::atoi(live)); ++i) lens[i] = length(rng);
+    std::shuffle(lens.begin(), lens.end(), rng);
+  }
   // q: E4M3 codes with the plain fp8 cache (as the bench runs it), else bf16 about N(0, 1).
   const int64_t q_elems = int64_t(k.batch) * k.heads * kEntry;
   std::vector<uint8_t> q(size_t(q_elems) * (fp8 ? 1 : 2));
@@ -220,7 +229,7 @@ int run_case(const Case& k, std::mt19937& rng) {
   a.batch = k.batch, a.q_tokens = 1, a.heads = k.heads;
   a.q = d_q, a.softmax_scale = 0.0417f;
   a.q_scale_inv = fp8 ? d_scales : nullptr;
-  a.out = d_out, a.lse = d_lse, a.num_splits = k.splits;
+  a.out = d_out, a.lse = d_lse, a.num_splits = k.splits, a.work_splits = k.work;
   a.partials = k.splits > 1 ? d_partials + partial_rows * kClaimFloats : nullptr;
   SplitClaim* const claims = k.splits > 1 ? reinterpret_cast<SplitClaim*>(d_partials) : nullptr;
 
@@ -258,10 +267,13 @@ int run_case(const Case& k, std::mt19937& rng) {
     cudaMemcpy(lse[kernel].data(), d_lse, lse[kernel].size() * 4, cudaMemcpyDeviceToHost);
     us[kernel] = time_us([&] { (void)run(nullptr, a, launch); }, 20);
   }
-  const double bytes = double(k.batch) * k.context * a.row_bytes;
-  const double tiles_per_cta = double(max_blocks) / k.splits;
+  double tokens = 0;
+  for (int len : lens) tokens += len;
+  const double bytes = tokens * a.row_bytes;
+  const double tiles_per_cta = tokens / bs / (double(k.batch) * (k.work > 0 ? k.work : k.splits));
   bool agree = true;
-  std::printf("%-10s B %d context %d H %d splits %d:", print_name(k.format), k.batch, k.context, k.heads, k.splits);
+  std::printf("%-10s B %d context %d H %d splits %d", print_name(k.format), k.batch, k.context, k.heads, k.splits);
+  std::printf(k.work > 0 ? " by work of %d:" : ":", k.work);
   for (int kernel = 0; kernel < kKernels; ++kernel) {
     double worst = 0, size = 0, lse_worst = 0;
     for (int64_t i = 0; i < out_elems; ++i) {
@@ -293,16 +305,17 @@ int main(int argc, char** argv) {
   if (!print_device()) return 2;
   std::mt19937 rng(7);
   int status = 0;
-  std::vector<Case> cases = {Case{CacheFormat::kFp8, 64, 16384, 12, 2}, Case{CacheFormat::kFp8DsMla, 64, 16384, 12, 2},
-                             Case{CacheFormat::kFp8, 1, 4096, 12, 64}, Case{CacheFormat::kFp8DsMla, 1, 4096, 12, 64}};
+  std::vector<Case> cases = {Case{CacheFormat::kFp8, 64, 16384, 12, 2, 0}, Case{CacheFormat::kFp8DsMla, 64, 16384, 12, 2, 0},
+                             Case{CacheFormat::kFp8, 1, 4096, 12, 64, 0}, Case{CacheFormat::kFp8DsMla, 1, 4096, 12, 64, 0}};
   if (argc > 1) cases.clear();
-  for (int i = 1; i < argc; ++i) {  // format:B:context:H:splits
+  for (int i = 1; i < argc; ++i) {  // format:B:context:H:splits[:work]
     char format[16] = {};
     Case k{};
-    const int named = std::sscanf(argv[i], "%15[^:]:%d:%d:%d:%d", format, &k.batch, &k.context, &k.heads, &k.splits);
+    const int named =
+        std::sscanf(argv[i], "%15[^:]:%d:%d:%d:%d:%d", format, &k.batch, &k.context, &k.heads, &k.splits, &k.work);
     const auto* name = std::find_if(kCaseNames, kCaseNames + 3, [&](const char* n) { return std::strcmp(n, format) == 0; });
-    if (named != 5 || name == kCaseNames + 3) {
-      std::printf("a case is format:B:context:H:splits with format bf16, fp8 or ds, not %s\n", argv[i]);
+    if (named < 5 || name == kCaseNames + 3) {
+      std::printf("a case is format:B:context:H:splits[:work] with format bf16, fp8 or ds, not %s\n", argv[i]);
       return 2;
     }
     k.format = kFormats[name - kCaseNames];

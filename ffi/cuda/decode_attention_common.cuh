@@ -421,44 +421,71 @@ __device__ __forceinline__ unsigned live_splits_of_tiles(const DecodeAttention& 
   const unsigned most = unsigned(a.num_splits), per = max((tiles + most - 1) / most, share);
   return per == 0 ? 0u : (tiles + per - 1) / per;
 }
-
-// The share of a split by work (DecodeAttention::split_capacity), in every lane of the calling
-// warp (whole warps; 0 without splits by work): the fewest whole tiles a split may take such that
-// the batch's live splits fit the capacity, by bisection between the summed tiles over the
-// capacity (each sequence's splits are at least its tiles over the share) and that over the
-// capacity less the live sequences (at most one split a sequence more), or the longest sequence
-// (one split each). Every CTA finds the same share: integer arithmetic on the call's inputs. A
-// uniform batch ends at the first count; the serving batch of 17 live sequences in 32 after 3. A
-// load a lane for every 32 sequences a count (L1 hits after the first): splits by work are chosen
-// where the batch's CTAs do not fill the GPU, so B is small.
-__device__ __forceinline__ int64_t batch_split_share(const DecodeAttention& a) {
-  if (a.work_splits == 0 || a.batch == 0) return 0;
+// The tiles of the calling lane's sequence among the batch's first 32 (0 past B), loaded once: the
+// search and the scan below count the sequences again, and a batch split by work is small (its
+// CTAs do not fill the GPU), most often one pass of a warp. Sequence b = lane + 32 k's tiles.
+__device__ __forceinline__ unsigned first_pass_tiles(const DecodeAttention& a) {
   const unsigned lane = threadIdx.x % 32;
-  uint64_t tiles = 0;
-  unsigned longest = 0, live = 0;
-  for (int64_t b = lane; b < a.batch; b += 32) {
-    const unsigned t = sequence_tiles(a, b);
-    tiles += t, longest = max(longest, t), live += t > 0;
+  return lane < a.batch ? sequence_tiles(a, lane) : 0u;
+}
+__device__ __forceinline__ unsigned tiles_of(const DecodeAttention& a, int64_t b, unsigned first_pass) {
+  return b < 32 ? first_pass : sequence_tiles(a, b);
+}
+
+// What splits by work need of the batch (B > 0), in every lane of the calling warp (whole warps):
+// its summed tiles, longest and shortest sequence, live sequences.
+struct BatchTiles {
+  uint64_t total;
+  unsigned longest, shortest, live;
+  __device__ bool uniform() const { return shortest == longest; }
+};
+__device__ __forceinline__ BatchTiles batch_tiles(const DecodeAttention& a, unsigned first_pass) {
+  BatchTiles s{0, 0, ~0u, 0};
+  for (int64_t b = threadIdx.x % 32; b < a.batch; b += 32) {
+    const unsigned t = tiles_of(a, b, first_pass);
+    s.total += t, s.longest = max(s.longest, t), s.shortest = min(s.shortest, t), s.live += t > 0;
   }
 #pragma unroll
   for (int k = 16; k > 0; k /= 2) {
-    tiles += __shfl_xor_sync(0xFFFFFFFFu, tiles, k), live += __shfl_xor_sync(0xFFFFFFFFu, live, k);
-    longest = max(longest, __shfl_xor_sync(0xFFFFFFFFu, longest, k));
+    s.total += __shfl_xor_sync(0xFFFFFFFFu, s.total, k), s.live += __shfl_xor_sync(0xFFFFFFFFu, s.live, k);
+    s.longest = max(s.longest, __shfl_xor_sync(0xFFFFFFFFu, s.longest, k));
+    s.shortest = min(s.shortest, __shfl_xor_sync(0xFFFFFFFFu, s.shortest, k));
   }
+  return s;
+}
+
+// The share of a split by work (DecodeAttention::split_capacity), in tiles, in every lane of the
+// calling warp: the fewest whole tiles a split may take such that the batch's live splits fit the
+// capacity. It lies between the summed tiles over the capacity (each sequence's splits are at
+// least its tiles over the share) and that over the capacity less the live sequences (at most one
+// split a sequence more), or the longest sequence (one split each). A uniform batch's share is the
+// lower bound (its splits then fill the capacity: ceil(t / ceil(t / W)) <= W); else bisection,
+// which counts the lower bound first (the serving batch of 17 live sequences in 32: 3 counts).
+// Every CTA finds the same share: integer arithmetic on the call's inputs.
+__device__ __forceinline__ unsigned batch_share_tiles(const DecodeAttention& a, unsigned first_pass,
+                                                      const BatchTiles& s) {
   const uint64_t capacity = uint64_t(a.split_capacity());
-  if (tiles > INT32_MAX || capacity > INT32_MAX) return int64_t(longest) * kTileTokens;  // one split each
-  const unsigned total = unsigned(tiles), room = unsigned(capacity);
+  if (s.total > INT32_MAX || capacity > INT32_MAX) return s.longest;  // one split each
+  const unsigned total = unsigned(s.total), room = unsigned(capacity);
   unsigned low = (total + room - 1) / room;  // = least_split_share's, in tiles
-  unsigned high = room > live ? min(longest, (total + room - live - 1) / (room - live)) : longest;
+  if (s.uniform()) return low;
+  unsigned high = room > s.live ? min(s.longest, (total + room - s.live - 1) / (room - s.live)) : s.longest;
   for (unsigned share = low; low < high; share = low + (high - low) / 2) {
     unsigned splits = 0;
-    for (int64_t b = lane; b < a.batch; b += 32) splits += live_splits_of_tiles(a, sequence_tiles(a, b), share);
+    for (int64_t b = threadIdx.x % 32; b < a.batch; b += 32)
+      splits += live_splits_of_tiles(a, tiles_of(a, b, first_pass), share);
 #pragma unroll
     for (int k = 16; k > 0; k /= 2) splits += __shfl_xor_sync(0xFFFFFFFFu, splits, k);
     if (splits <= room) high = share;
     else low = share + 1;
   }
-  return int64_t(low) * kTileTokens;
+  return low;
+}
+// The same in tokens (0 without splits by work or sequences): the combine's.
+__device__ __forceinline__ int64_t batch_split_share(const DecodeAttention& a) {
+  if (a.work_splits == 0 || a.batch == 0) return 0;
+  const unsigned first_pass = first_pass_tiles(a);
+  return int64_t(batch_share_tiles(a, first_pass, batch_tiles(a, first_pass))) * kTileTokens;
 }
 
 // The work of split `split` of sequence b (len tokens) for the CTA whose first row is row0: its
@@ -494,37 +521,46 @@ struct CtaPlace {
 
 // By work: CTA i = z * B + y (the order in which they start) takes the batch's i-th live split,
 // the sequences in order: the CTA counts the live splits of the sequences before its own (a warp
-// scan a pass of 32 sequences). The share lets the batch have at most B * work_splits of them (as
+// scan a pass of 32 sequences; in a uniform batch, a division). The share lets the batch have at most B * work_splits of them (as
 // many as the grid's CTAs a row group); the CTAs past them have nothing to do. A grid with room for
 // a long sequence's every split (num_splits of them) would start mostly empty CTAs, each holding
 // an SM for its prologue and search (H200, uniform B 16 x 16k, 4 times the planned grid: 7-9 us).
-__device__ __forceinline__ CtaPlace work_place(const DecodeAttention& a, int64_t share) {
-  const unsigned lane = threadIdx.x % 32;
-  const int64_t i = int64_t(blockIdx.z) * a.batch + blockIdx.y;
+__device__ __forceinline__ CtaPlace work_place(const DecodeAttention& a) {
+  const unsigned lane = threadIdx.x % 32, first_pass = first_pass_tiles(a);
+  const BatchTiles tiles = batch_tiles(a, first_pass);
+  const unsigned share = batch_share_tiles(a, first_pass, tiles);
+  const int64_t share_tokens = int64_t(share) * kTileTokens;
+  // i < 65535 x work_splits (the handler keeps B within one wave): 32 bits.
+  const unsigned i = blockIdx.z * unsigned(a.batch) + blockIdx.y;
+  if (tiles.uniform()) {  // n live splits each: no scan
+    const unsigned n = live_splits_of_tiles(a, tiles.longest, share), b = n == 0 ? unsigned(a.batch) : i / n;
+    return b < a.batch ? CtaPlace{b, share_tokens, int(i - b * n), int(blockIdx.x)}
+                       : CtaPlace{a.batch, share_tokens, 0, int(blockIdx.x)};
+  }
   int64_t before = 0;  // live splits of the sequences before this pass's
   for (int64_t first = 0; first < a.batch; first += 32) {
     const int64_t b = first + lane;
-    const int n = b < a.batch ? int(live_splits_of_tiles(a, sequence_tiles(a, b), unsigned(share / kTileTokens))) : 0;
+    const int n = b < a.batch ? int(live_splits_of_tiles(a, tiles_of(a, b, first_pass), share)) : 0;
     int upto = n;  // live splits of this pass's sequences up to lane's, inclusive
 #pragma unroll
     for (int k = 1; k < 32; k *= 2) {
       const int below = __shfl_up_sync(0xFFFFFFFFu, upto, k);
       if (lane >= unsigned(k)) upto += below;
     }
-    const int64_t split = i - before - (upto - n);
+    const int64_t split = int64_t(i) - before - (upto - n);
     const unsigned owner = __ballot_sync(0xFFFFFFFFu, split >= 0 && split < n);
     if (owner != 0) {
       const int at = __ffs(owner) - 1;
-      return {first + at, share, __shfl_sync(0xFFFFFFFFu, int(split), at), int(blockIdx.x)};
+      return {first + at, share_tokens, __shfl_sync(0xFFFFFFFFu, int(split), at), int(blockIdx.x)};
     }
     before += __shfl_sync(0xFFFFFFFFu, upto, 31);
   }
-  return {a.batch, share, 0, int(blockIdx.x)};
+  return {a.batch, share_tokens, 0, int(blockIdx.x)};
 }
 
 // The CTA's place (whole warps: by work, each warp finds it).
 __device__ __forceinline__ CtaPlace cta_place(const DecodeAttention& a) {
-  if (a.work_splits > 0) return work_place(a, batch_split_share(a));
+  if (a.work_splits > 0) return work_place(a);
   const unsigned wave = blockIdx.z / unsigned(a.num_splits);
   return {int64_t(wave) * gridDim.y + blockIdx.y, 0, int(blockIdx.z - wave * unsigned(a.num_splits)), int(blockIdx.x)};
 }

@@ -904,7 +904,7 @@ __global__ void __launch_bounds__(kRsThreads, 1)
   let_dependent_launch_start();
   if constexpr (kFormat == CacheFormat::kFp8) prefetch_tile_maps<kFormat>(maps);
   if constexpr (kByWork) {
-    const CtaPlace at = work_place(a, batch_split_share(a));
+    const CtaPlace at = work_place(a);
     if (at.b < a.batch) attend_rs<kFormat, true>(a, at, load_scales<kFormat>(a), maps, smem);
   } else {
     attend_rs<kFormat, false>(a, cta_place_in_one_wave(), load_scales<kFormat>(a), maps, smem);
