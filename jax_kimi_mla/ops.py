@@ -272,7 +272,9 @@ def default_num_splits(batch: int, rows: int, max_len: int, sm_count: int, rows_
 # taking one live split: the work list), and the tiles a planned split must hold for splits by
 # work (H100, before the work list, when the grid held every sequence's most splits and the empty
 # ones cost about 2 us of an SM's time each: calls with splits of 4-8 tiles ran 9-16% slower by
-# work, of 32 and more within 1%; docs/DECODE_ATTENTION.md, Thirty-second round).
+# work, of 32 and more within 1%; docs/DECODE_ATTENTION.md, Thirty-second round). With the work
+# list (H200, Thirty-fourth round) twice the headroom bought nothing, and an average of 3/4 or 3/2
+# the plan was 14-39% slower.
 SPLIT_HEADROOM = 4
 SPLIT_BY_WORK_MIN_TILES = 16
 
