@@ -523,9 +523,9 @@ struct CtaPlace {
 // the sequences in order: the CTA counts the live splits of the sequences before its own (a warp
 // scan a pass of 32 sequences; in a uniform batch, a division). The share lets the batch have at
 // most B * work_splits of them (as many as the grid's CTAs a row group); the CTAs past them have
-// nothing to do. A grid with room for
-// a long sequence's every split (num_splits of them) would start mostly empty CTAs, each holding
-// an SM for its prologue and search (H200, uniform B 16 x 16k, 4 times the planned grid: 7-9 us).
+// nothing to do. A grid with room for a long sequence's every split (num_splits of them) would
+// start mostly empty CTAs, each holding an SM for its prologue and search (H200, uniform B 16 x
+// 16k, 4 times the planned grid: 7-9 us).
 __device__ __forceinline__ CtaPlace work_place(const DecodeAttention& a) {
   const unsigned lane = threadIdx.x % 32, first_pass = first_pass_tiles(a);
   const BatchTiles tiles = batch_tiles(a, first_pass);
