@@ -265,6 +265,10 @@ def test_split_plan_shares_the_default_count_out_by_work():
     assert plan(32, 12, 32896, 132, split_by_work=False) == (4, 0)
     assert plan(64, 12, 16384, 132) == (8, 2)
     assert plan(4096, 12, 16384, 132) == (1, 0)  # one split: nothing to share out
+    assert plan(128, 12, 16384, 132) == (8, 2)  # one split a sequence, one wave: two by work
+    assert plan(128, 12, 16384, 132, split_by_work=False) == (1, 0)
+    assert plan(128, 12, 1024, 132) == (1, 0)  # splits of 8 tiles: by count
+    assert plan(256, 12, 8192, 132) == (1, 0)  # two waves of one split
     assert plan(64, 12, 16384, 0) == (1, 0)  # no GPU
     assert plan(1, 12, 32768, 132) == (126, 0)  # one sequence: nothing to share out
     assert plan(2, 12, 65536, 132) == (126, 63)  # the longer of two takes at most their 2 x 63
@@ -463,6 +467,20 @@ def test_cuda_splits_by_work_cut_a_uniform_batch_as_by_count(monkeypatch, fmt, q
     monkeypatch.setattr(jax_kimi_mla.ops, "split_plan", lambda *a, **k: (16, 4))
     for got, want in zip(poisoned_run(args, kw, "cuda"), by_count, strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt,q_dtype", (("bf16", "bfloat16"), ("fp8", "float8_e4m3fn"), ("fp8_ds_mla", "bfloat16")))
+def test_cuda_one_wave_batch_splits_by_work(fmt, q_dtype):
+    """A batch of one CTA an SM (the GPU's own SM count, the plan not patched): split_plan shares
+    out two splits a sequence by work; padded and ragged lengths agree with the reference."""
+    batch = jax_kimi_mla._device.sm_count()
+    lens = np.random.default_rng(19).integers(0, 4097, batch)
+    lens[::5], lens[1] = 0, 4096  # padding rows; tables 4096 tokens wide
+    args, kw = make_case(fmt, q_dtype, lens=tuple(int(n) for n in lens), heads=12, block_size=64, seed=19)
+    rows_per_cta = jax_kimi_mla.ops._decode_rows_per_cta(args["kv_cache"].dtype, batch, 1, 12)
+    assert jax_kimi_mla.ops.split_plan(batch, 12, 4096, batch, rows_per_cta) == (8, 2)
+    assert_close(fmt, q_dtype, poisoned_run(args, kw, "cuda"), run(reference.mla_decode_attention, args, kw, "cpu"))
 
 
 # A uniform batch by work takes a path of its own (work_place: the share is the lower bound, a
