@@ -3,6 +3,7 @@
     python -P benchmarks/splits_sweep.py                      # the default grid (GPU)
     python -P benchmarks/splits_sweep.py bf16:1:4096:12 --splits 1,8,16,32,64
     python -P benchmarks/splits_sweep.py bf16:32:32768:12:17  # a serving batch: 17 live rows of 32
+    python -P benchmarks/splits_sweep.py fp8_ds_mla:128:16384:12:100 --splits 1,4 --by-work 8x2,16x4
 
 Each case is FORMAT:B:CONTEXT:H[:LIVE] (S_q = 1, block size 64, inputs as bench_attention.py
 builds them, tables CONTEXT tokens wide). With LIVE, only LIVE rows (at random places) hold a
@@ -12,12 +13,15 @@ the op's default first where it splits by work (ops.split_plan: "N by work of W"
 splits a sequence may take, W a sequence's on average), then for every split count by count, the
 device time per call (median over calls: the span from the first kernel's start to the last one's
 end, which counts the combine's programmatic launch once, then the kernels summed); "*" marks
-default_num_splits where the op splits by count.
+default_num_splits where the op splits by count. --by-work MOSTxWORK,... also times those plans by
+work, whatever split_plan would choose (ops.split_plan patched for the call: up to MOST splits a
+sequence, B x WORK in all).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 
 import jax
@@ -46,6 +50,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("cases", nargs="*", default=DEFAULT_CASES)
     parser.add_argument("--splits", default="1,2,4,8,16,32,64,128")
+    parser.add_argument("--by-work", type=by_work_plans, default=[], help="plans by work to time too: MOSTxWORK,...")
     parser.add_argument("--calls", type=int, default=20)
     opts = parser.parse_args(argv)
     sm_count = _device.sm_count()
@@ -63,7 +68,32 @@ def main(argv=None) -> None:
                 continue
             us = device_us(functools.partial(ops.mla_decode_attention, num_splits=splits), fmt, args, opts.calls)
             cells.append(f"{splits}{'*' if splits == default and not work else ''}: {us}")
+        for plan in opts.by_work:
+            with forced_split_plan(plan):
+                cells.append(f"{plan[0]}x{plan[1]} by work: {device_us(ops.mla_decode_attention, fmt, args, opts.calls)}")
         print(f"{case:>22}  " + "  ".join(cells), flush=True)
+
+
+def by_work_plans(text: str) -> list[tuple[int, int]]:
+    """'8x2,16x4' -> [(8, 2), (16, 4)]: (num_splits, work_splits) with 1 <= WORK <= MOST."""
+    plans = []
+    for item in filter(None, text.split(",")):
+        most, _, work = item.partition("x")
+        if not (most.isdigit() and work.isdigit() and 1 <= int(work) <= int(most)):
+            raise argparse.ArgumentTypeError(f"a plan by work is MOSTxWORK with 1 <= WORK <= MOST, not {item!r}")
+        plans.append((int(most), int(work)))
+    return plans
+
+
+@contextlib.contextmanager
+def forced_split_plan(plan: tuple[int, int]):
+    """ops.split_plan returns plan for calls traced inside."""
+    chosen = ops.split_plan
+    ops.split_plan = lambda *args, **kwargs: plan
+    try:
+        yield
+    finally:
+        ops.split_plan = chosen
 
 
 def device_us(fn, fmt, args, calls) -> str:

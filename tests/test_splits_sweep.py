@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import numpy as np
+import pytest
 from _util import load_script
 
 SWEEP = Path(__file__).resolve().parents[1] / "benchmarks" / "splits_sweep.py"
@@ -22,3 +23,15 @@ def test_a_case_without_live_rows_is_uniform():
     sweep = load_script(SWEEP, "splits_sweep")
     *_, args = sweep.case_inputs("fp8_ds_mla:2:128:4")
     assert np.asarray(args[3]).tolist() == [128, 128]
+
+
+def test_plans_by_work_parse_and_patch_split_plan():
+    sweep = load_script(SWEEP, "splits_sweep")
+    assert sweep.by_work_plans("8x2,16x4") == [(8, 2), (16, 4)]
+    for bad in ("8", "2x8", "8x0", "ax2"):
+        with pytest.raises(Exception, match="MOSTxWORK"):
+            sweep.by_work_plans(bad)
+    chosen = sweep.ops.split_plan
+    with sweep.forced_split_plan((8, 2)):
+        assert sweep.ops.split_plan(128, 12, 16384, 132) == (8, 2)
+    assert sweep.ops.split_plan is chosen
