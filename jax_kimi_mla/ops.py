@@ -277,7 +277,7 @@ def default_num_splits(batch: int, rows: int, max_len: int, sm_count: int, rows_
 # the plan was 14-39% slower.
 SPLIT_HEADROOM = 4
 SPLIT_BY_WORK_MIN_TILES = 16
-# A batch whose one split a sequence is one wave (B 119-132 at H 12 on 132 SMs): splits by work,
+# A batch whose one split a sequence is one wave (B 119-132 at H <= 16 on 132 SMs): splits by work,
 # two a sequence on average. H100, B 128 x 16k tables, one wave against this (span of the call):
 # 100 live sequences of random lengths -20% (fp8_ds_mla), -26% (plain fp8), -23% (bf16); all 128
 # live -7.5%; a uniform batch, whose one split a sequence is already even, +6%, +4%, +3%. Two
@@ -294,12 +294,14 @@ def split_plan(batch: int, rows: int, max_len: int, sm_count: int, rows_per_cta:
     batch needs at most that many): a uniform batch is cut as before, a ragged or padded one gives
     its long sequences more splits (num_splits: up to SPLIT_HEADROOM times as many, at most a split
     a 64-token tile) and its short ones fewer. A batch whose one split a sequence fills the GPU in
-    one wave is shared out as two a sequence (SPLIT_ONE_WAVE_WORK): else a ragged one waits on its
-    longest sequence. Else, where a planned split of the table holds fewer than
+    one wave, with one CUDA block of rows a sequence, is shared out as two a sequence
+    (SPLIT_ONE_WAVE_WORK): else a ragged one waits on its longest sequence. Else, where a planned split of the table holds fewer than
     SPLIT_BY_WORK_MIN_TILES tiles, or where a sequence may take no more than the plan (one sequence),
     (default_num_splits, 0): every sequence cut into that many."""
     planned = default_num_splits(batch, rows, max_len, sm_count, rows_per_cta)
-    one_wave = planned == 1 and 0 < batch * -(-rows // rows_per_cta) <= sm_count
+    # Measured with one row group a sequence (H <= 16) only: with more (H = 128, whose target is
+    # the tensor cores' rate at uniform B 64) one split stays.
+    one_wave = planned == 1 and rows <= rows_per_cta and 0 < batch <= sm_count
     work = SPLIT_ONE_WAVE_WORK if one_wave else planned
     tiles = -(-max_len // SPLIT_TOKENS)
     # The most splits a sequence may take: at most all of the batch's B x work ones.
