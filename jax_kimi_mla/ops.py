@@ -295,9 +295,10 @@ def split_plan(batch: int, rows: int, max_len: int, sm_count: int, rows_per_cta:
     its long sequences more splits (num_splits: up to SPLIT_HEADROOM times as many, at most a split
     a 64-token tile) and its short ones fewer. A batch whose one split a sequence fills the GPU in
     one wave, with one CUDA block of rows a sequence, is shared out as two a sequence
-    (SPLIT_ONE_WAVE_WORK): else a ragged one waits on its longest sequence. Else, where a planned split of the table holds fewer than
-    SPLIT_BY_WORK_MIN_TILES tiles, or where a sequence may take no more than the plan (one sequence),
-    (default_num_splits, 0): every sequence cut into that many."""
+    (SPLIT_ONE_WAVE_WORK): else a ragged one waits on its longest sequence. Else, where a planned
+    split of the table holds fewer than SPLIT_BY_WORK_MIN_TILES tiles, or where a sequence may take
+    no more than the plan (one sequence), (default_num_splits, 0): every sequence cut into that
+    many."""
     planned = default_num_splits(batch, rows, max_len, sm_count, rows_per_cta)
     # Measured with one row group a sequence (H <= 16) only: with more (H = 128, whose target is
     # the tensor cores' rate at uniform B 64) one split stays.
