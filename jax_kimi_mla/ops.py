@@ -295,22 +295,27 @@ def split_plan(batch: int, rows: int, max_len: int, sm_count: int, rows_per_cta:
     its long sequences more splits (num_splits: up to SPLIT_HEADROOM times as many, at most a split
     a 64-token tile) and its short ones fewer. A batch whose one split a sequence fills the GPU in
     one wave, with one CUDA block of rows a sequence, is shared out as two a sequence
-    (SPLIT_ONE_WAVE_WORK): else a ragged one waits on its longest sequence. Else, where a planned
-    split of the table holds fewer than SPLIT_BY_WORK_MIN_TILES tiles, or where a sequence may take
-    no more than the plan (one sequence), (default_num_splits, 0): every sequence cut into that
-    many."""
+    (SPLIT_ONE_WAVE_WORK): else a ragged one waits on its longest sequence. Else, where the batch
+    has more sequences than the GPU has SMs, where a planned split of the table holds fewer than
+    SPLIT_BY_WORK_MIN_TILES tiles, or where a sequence may take no more than the plan (one
+    sequence), (default_num_splits, 0): every sequence cut into that many."""
     planned = default_num_splits(batch, rows, max_len, sm_count, rows_per_cta)
-    # Measured with one row group a sequence (H <= 16) only: with more (H = 128, whose target is
-    # the tensor cores' rate at uniform B 64) one split stays.
-    one_wave = planned == 1 and rows <= rows_per_cta and 0 < batch <= sm_count
+    # Splits by work only where the batch has no more sequences than the GPU has SMs: each CTA
+    # counts the batch's splits before it starts, 32 sequences a pass, so a longer batch starts its
+    # CTAs later (H100, B 160-200 of ragged lengths: 9-24% slower by work than by count; uniform 5%).
+    few_sequences = 0 < batch <= sm_count
+    # One split a sequence, the batch one wave: two by work. Measured with one row group a sequence
+    # (H <= 16) only; with more (H = 128, whose target is the tensor cores' rate at uniform B 64)
+    # one split stays.
+    one_wave = planned == 1 and rows <= rows_per_cta and few_sequences
     work = SPLIT_ONE_WAVE_WORK if one_wave else planned
     tiles = -(-max_len // SPLIT_TOKENS)
     # The most splits a sequence may take: at most all of the batch's B x work ones.
     most = min(SPLIT_HEADROOM * work, batch * work, tiles, _checks.MAX_SPLITS)
     long_splits = tiles >= SPLIT_BY_WORK_MIN_TILES * work
-    # One split (the batch fills the GPU: no combine launch), short splits, or no room above the
-    # plan (one sequence; a split a tile already): splits by count.
-    if split_by_work and long_splits and 1 < work < most:
+    # More sequences than SMs, one split (the batch fills the GPU: no combine launch), short splits,
+    # or no room above the plan (one sequence; a split a tile already): splits by count.
+    if split_by_work and few_sequences and long_splits and 1 < work < most:
         return most, work
     return planned, 0
 
@@ -341,7 +346,7 @@ def mla_decode_attention(
         into that many parts. None chooses it from the sizes and the GPU and, with
         ``split_by_work`` (a static bool, default True), shares the splits out by the sequences'
         lengths at run time (:func:`split_plan`: a padded, ragged batch's long sequences take more
-        splits, its short ones fewer). Results do not depend on either beyond float rounding (the
+        splits, its short ones fewer; batches of no more sequences than the GPU has SMs). Results do not depend on either beyond float rounding (the
         CPU handler ignores both).
       kernel, programmatic_combine, balance_splits: for comparisons and tests (static; the CPU
         handler and the reference check and ignore them). ``kernel`` is "auto" (the kernel that

@@ -269,6 +269,7 @@ def test_split_plan_shares_the_default_count_out_by_work():
     assert plan(128, 12, 16384, 132, split_by_work=False) == (1, 0)
     assert plan(128, 12, 1024, 132) == (1, 0)  # splits of 8 tiles: by count
     assert plan(256, 12, 8192, 132) == (1, 0)  # two waves of one split
+    assert plan(200, 12, 8192, 132) == (3, 0)  # more sequences than SMs: by count
     assert plan(64, 128, 8192, 132, 64) == (1, 0)  # one wave, but two row groups a sequence
     assert plan(64, 12, 16384, 0) == (1, 0)  # no GPU
     assert plan(1, 12, 32768, 132) == (126, 0)  # one sequence: nothing to share out
