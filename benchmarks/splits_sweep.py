@@ -21,8 +21,8 @@ sequence, B x WORK in all).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
+from unittest import mock
 
 import jax
 import numpy as np
@@ -85,15 +85,9 @@ def by_work_plans(text: str) -> list[tuple[int, int]]:
     return plans
 
 
-@contextlib.contextmanager
 def forced_split_plan(plan: tuple[int, int]):
-    """ops.split_plan returns plan for calls traced inside."""
-    chosen = ops.split_plan
-    ops.split_plan = lambda *args, **kwargs: plan
-    try:
-        yield
-    finally:
-        ops.split_plan = chosen
+    """A context in which ops.split_plan returns plan (for the calls traced inside it)."""
+    return mock.patch.object(ops, "split_plan", lambda *args, **kwargs: plan)
 
 
 def device_us(fn, fmt, args, calls) -> str:

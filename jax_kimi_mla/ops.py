@@ -346,8 +346,8 @@ def mla_decode_attention(
         into that many parts. None chooses it from the sizes and the GPU and, with
         ``split_by_work`` (a static bool, default True), shares the splits out by the sequences'
         lengths at run time (:func:`split_plan`: a padded, ragged batch's long sequences take more
-        splits, its short ones fewer; batches of no more sequences than the GPU has SMs). Results do not depend on either beyond float rounding (the
-        CPU handler ignores both).
+        splits, its short ones fewer; batches of no more sequences than the GPU has SMs). Results
+        do not depend on either beyond float rounding (the CPU handler ignores both).
       kernel, programmatic_combine, balance_splits: for comparisons and tests (static; the CPU
         handler and the reference check and ignore them). ``kernel`` is "auto" (the kernel that
         suits the call), or one asked for where it applies (docs/DECODE_ATTENTION.md, "Kernels

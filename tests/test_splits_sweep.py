@@ -29,7 +29,7 @@ def test_plans_by_work_parse_and_patch_split_plan():
     sweep = load_script(SWEEP, "splits_sweep")
     assert sweep.by_work_plans("8x2,16x4") == [(8, 2), (16, 4)]
     for bad in ("8", "2x8", "8x0", "ax2"):
-        with pytest.raises(Exception, match="MOSTxWORK"):
+        with pytest.raises(sweep.argparse.ArgumentTypeError, match="MOSTxWORK"):
             sweep.by_work_plans(bad)
     chosen = sweep.ops.split_plan
     with sweep.forced_split_plan((8, 2)):
