@@ -14,8 +14,13 @@ namespace {
 // running max; the warps' sums then meet, rescaled to the common max, in a fixed order. With few
 // rows, a row's 512 columns are split over kColumnParts CTAs, so that more SMs share its loads
 // (each part computes the same weights; part 0 writes the lse). An empty (-inf) split is skipped
-// and its outputs never enter the sums; a NaN lse makes the row NaN.
+// and its outputs never enter the sums; a NaN lse makes the row NaN. By work, a batch of more
+// sequences than a warp's lanes takes the share that the attention kernel found (stored_share,
+// read after the wait) instead of searching it again in every CTA, the lengths read anew at every
+// step (H100, B 128 ragged: the call 2-4% faster; docs/DECODE_ATTENTION.md, Thirty-eighth round);
+// up to 32 sequences the search runs on the lengths in registers, before the wait.
 constexpr int kCombineRound = 4;
+constexpr int64_t kCombineSearchBatch = 32;
 
 template <int kCombineWarps, int kColumnParts>
 __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const DecodeAttention a) {
@@ -30,9 +35,11 @@ __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const Decod
   const int first_column = int(blockIdx.z) * kPartColumns;
   // The lengths are the call's inputs: read before the wait, which the partials' loads follow
   // at once (under the programmatic launch, while the attention kernel still runs).
-  const int64_t share = batch_split_share(a);
+  const bool stored = a.work_splits > 0 && a.stored_share != nullptr && a.batch > kCombineSearchBatch;
+  int64_t share = stored ? 0 : batch_split_share(a);
   int64_t b = blockIdx.y, len = b < a.batch ? a.context_len(b) : 0;
-  wait_for_prior_grid();  // the partials are the attention kernel's
+  wait_for_prior_grid();  // the partials (and the stored share) are the attention kernel's
+  if (stored) share = int64_t(__ldcg(a.stored_share)) * kTileTokens;
   for (; b < a.batch; b += gridDim.y, len = b < a.batch ? a.context_len(b) : 0) {
     const int live = a.live_splits(len, share);
     float4 acc[kLaneChunks] = {};

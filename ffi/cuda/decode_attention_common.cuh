@@ -530,6 +530,8 @@ __device__ __forceinline__ CtaPlace work_place(const DecodeAttention& a) {
   const unsigned lane = threadIdx.x % 32, first_pass = first_pass_tiles(a);
   const BatchTiles tiles = batch_tiles(a, first_pass);
   const unsigned share = batch_share_tiles(a, first_pass, tiles);
+  if (a.stored_share != nullptr && threadIdx.x == 0 && (blockIdx.x | blockIdx.y | blockIdx.z) == 0)
+    *a.stored_share = share;  // for combine_kernel, which reads it once this kernel is done
   const int64_t share_tokens = int64_t(share) * kTileTokens;
   // i < 65535 x work_splits (the handler keeps B within one wave): 32 bits.
   const unsigned i = blockIdx.z * unsigned(a.batch) + blockIdx.y;

@@ -31,7 +31,9 @@ inline constexpr int kMaxSplits = 1024;            // = _checks.MAX_SPLITS
 // every owner closes its record before its kernel ends.
 struct alignas(16) SplitClaim {
   unsigned long long open;
-  unsigned int claimed, unused;
+  unsigned int claimed;
+  // Record 0 only (DecodeAttention::stored_share): the call's split share by work, in tiles.
+  unsigned int batch_share;
 };
 inline constexpr unsigned long long kClaimOpen = 0x6a6b6d2d636c61ffULL;
 
@@ -53,6 +55,11 @@ struct DecodeAttention : PagedCache {
   // The splits' claim records (SplitClaim, one per split and CTA: claim_record), or null: each
   // split takes exactly its own tiles. Ahead of partials in the same scratch.
   SplitClaim* claims = nullptr;
+  // By work, where the scratch holds the claims: record 0's batch_share, where the attention
+  // kernel's first CTA leaves the share it found (work_place), so that combine_kernel need not
+  // search it again (past a warp's 32 sequences a search reads the lengths anew at every step);
+  // null otherwise.
+  unsigned* stored_share = nullptr;
 
   JKM_HD int64_t rows() const { return q_tokens * heads; }  // query rows of one sequence
 
@@ -231,6 +238,7 @@ inline ffi::Error make_decode_attention(ffi::AnyBuffer q, ffi::AnyBuffer cache,
   a.claims = num_splits > 1 && with_claims && launch.balance_splits ? reinterpret_cast<SplitClaim*>(scratch) : nullptr;
   a.num_splits = int(num_splits);
   a.work_splits = num_splits == 1 ? 0 : int(work_splits);
+  a.stored_share = a.work_splits > 0 && with_claims ? &reinterpret_cast<SplitClaim*>(scratch)->batch_share : nullptr;
   return ffi::Error::Success();
 }
 
