@@ -515,11 +515,10 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, const CtaPla
   if (tid == 0) {
     for (int s = 0; s < kRsStages; ++s) mbarrier_init(full + s, kFp8 ? 32 : kTileTokens), mbarrier_init(empty + s, 128);
     mbarrier_init_fence();
-    if constexpr (kByWork) *reinterpret_cast<CtaPlace*>(smem + L::kPlace) = at;  // for the producer
   }
   if (tid < kTileRows) stats.q_max_bits[tid] = 0;
   if (tid < kRsStages) ends[tid] = 0;
-  __syncthreads();  // the mbarriers, the zeroed maxima and ends, the place are ready
+  __syncthreads();  // the mbarriers, the zeroed maxima and ends are ready
   JKM_PHASE_AT(1);
   if (uniform_warp_index() / 4 == kRsGroups) {  // the producer: every tile of the split, then the cluster's barriers
     set_max_registers<kRsProducerRegisters<kFormat>, false>();
@@ -904,7 +903,15 @@ __global__ void __launch_bounds__(kRsThreads, 1)
   let_dependent_launch_start();
   if constexpr (kFormat == CacheFormat::kFp8) prefetch_tile_maps<kFormat>(maps);
   if constexpr (kByWork) {
-    const CtaPlace at = work_place(a);
+    // Warp 0 finds the place (a search over the batch's lengths, which all 12 warps had run side
+    // by side) and hands it on through shared memory, where the producer reads it again later.
+    CtaPlace* place = reinterpret_cast<CtaPlace*>(smem + RsLayout<kFormat>::kPlace);
+    if (threadIdx.x < 32) {
+      const CtaPlace found = work_place(a);
+      if (threadIdx.x == 0) *place = found;
+    }
+    __syncthreads();
+    const CtaPlace at = *place;
     if (at.b < a.batch) attend_rs<kFormat, true>(a, at, load_scales<kFormat>(a), maps, smem);
   } else {
     attend_rs<kFormat, false>(a, cta_place_in_one_wave(), load_scales<kFormat>(a), maps, smem);
