@@ -35,6 +35,7 @@ struct alignas(16) SplitClaim {
   // Record 0 only (DecodeAttention::stored_share): the call's split share by work, in tiles.
   unsigned int batch_share;
 };
+static_assert(sizeof(SplitClaim) == kClaimFloats * sizeof(float), "a claim record is a partial row's claim room");
 inline constexpr unsigned long long kClaimOpen = 0x6a6b6d2d636c61ffULL;
 
 struct DecodeAttention : PagedCache {
