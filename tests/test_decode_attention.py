@@ -492,7 +492,7 @@ def test_cuda_one_wave_batch_splits_by_work(fmt, q_dtype):
 
 # Past 32 sequences by work, combine_kernel takes the split share that the attention kernel stored
 # in the scratch (DecodeAttention::stored_share) instead of searching it again. Two batches of the
-# same shapes whose shares differ (plan 16 by 2: 5 and 14 tiles) run back to back: a share left in
+# same shapes whose shares differ (plan 16 by 2: 6 and 20 tiles) run back to back: a share left in
 # the scratch by the call before would merge the wrong splits.
 STORED_SHARE_LENS = (0, 2500, 1, 0, 300, 65, 1800, 0, 700, 129) * 4
 
