@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const Decod
   const int first_column = int(blockIdx.z) * kPartColumns;
   // The lengths are the call's inputs: read before the wait, which the partials' loads follow
   // at once (under the programmatic launch, while the attention kernel still runs).
-  const bool stored = a.work_splits > 0 && a.stored_share != nullptr && a.batch > kCombineSearchBatch;
+  const bool stored = a.stored_share != nullptr && a.batch > kCombineSearchBatch;
   int64_t share = stored ? 0 : batch_split_share(a);
   int64_t b = blockIdx.y, len = b < a.batch ? a.context_len(b) : 0;
   wait_for_prior_grid();  // the partials (and the stored share) are the attention kernel's
