@@ -39,6 +39,14 @@ __device__ __forceinline__ unsigned long long global_ns() {
     if (threadIdx.x == 0 && cta < kStampedCtas)                                                   \
       g_phase_cycles[cta][point] = clock64(), g_phase_ns[cta][point] = global_ns();               \
   } while (0)
+constexpr int kStartPoints = 6;
+__device__ long long g_start_cycles[kStampedCtas][kStartPoints];  // JKM_START_AT: clock64
+#define JKM_START_AT(point)                                                                       \
+  do {                                                                                            \
+    const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);         \
+    if (threadIdx.x == ((point) < 5 ? unsigned(kThreads) : 0u) && cta < kStampedCtas)            \
+      g_start_cycles[cta][point] = clock64();                                                     \
+  } while (0)
 #define JKM_TILE_AT(tile)                                                                         \
   do {                                                                                            \
     if ((tile) == 0) JKM_PHASE_AT(3);                                                             \
@@ -120,13 +128,37 @@ std::vector<uint8_t> make_cache(CacheFormat f, int64_t rows, std::mt19937& rng) 
 // starts and ends across CTAs by %globaltimer.
 void print_phases(const DecodeAttention& a, const Case& k, double tiles_per_cta) {
   static unsigned long long ns[kStampedCtas][kPhasePoints];
-  static long long cycles[kStampedCtas][kPhasePoints], tiles[kStampedTiles];
-  std::memset(ns, 0, sizeof ns), std::memset(cycles, 0, sizeof cycles);
+  static long long cycles[kStampedCtas][kPhasePoints], tiles[kStampedTiles], starts[kStampedCtas][kStartPoints];
+  std::memset(ns, 0, sizeof ns), std::memset(cycles, 0, sizeof cycles), std::memset(starts, 0, sizeof starts);
   cudaMemcpyToSymbol(g_phase_ns, ns, sizeof ns), cudaMemcpyToSymbol(g_phase_cycles, cycles, sizeof cycles);
+  cudaMemcpyToSymbol(g_start_cycles, starts, sizeof starts);
   (void)run(nullptr, a, DecodeLaunch{});
   if (!ok(cudaDeviceSynchronize(), "stamped call")) return;
   cudaMemcpyFromSymbol(ns, g_phase_ns, sizeof ns), cudaMemcpyFromSymbol(cycles, g_phase_cycles, sizeof cycles);
   cudaMemcpyFromSymbol(tiles, g_tile_cycles, sizeof tiles);
+  cudaMemcpyFromSymbol(starts, g_start_cycles, sizeof starts);
+  // rs_attention_kernel's start, each point from the CTA's entry (JKM_START_AT, and the phases'
+  // ends), mean [min, max] over the CTAs that stamped it.
+  const char* start_names[kStartPoints + 3] = {"producer's place", "position 0 issued", "1 issued", "2 issued",
+                                               "3 issued", "query fetched", "lookups", "prologue", "first tile"};
+  double s_sum[kStartPoints + 3] = {}, s_lo[kStartPoints + 3], s_hi[kStartPoints + 3] = {};
+  int s_n[kStartPoints + 3] = {};
+  std::fill(s_lo, s_lo + kStartPoints + 3, 1e30);
+  const int start_ctas = int(std::min<int64_t>(int64_t(k.work > 0 ? k.work : k.splits) * ((k.heads + kTileRows - 1) / kTileRows) * k.batch, kStampedCtas));
+  for (int c = 0; c < start_ctas; ++c) {
+    if (ns[c][6] == 0 || ns[c][3] == 0) continue;
+    const double rate = double(cycles[c][6] - cycles[c][0]) / double(ns[c][6] - ns[c][0]);
+    for (int p = 0; p < kStartPoints + 3; ++p) {
+      const long long at = p < kStartPoints ? starts[c][p] : cycles[c][p - kStartPoints + 1];
+      if (at == 0) continue;
+      const double us = (at - cycles[c][0]) / rate * 1e-3;
+      s_sum[p] += us, s_lo[p] = std::min(s_lo[p], us), s_hi[p] = std::max(s_hi[p], us), ++s_n[p];
+    }
+  }
+  std::printf("  start, us from entry:");
+  for (int p = 0; p < kStartPoints + 3; ++p)
+    if (s_n[p] > 0) std::printf(" %s %.2f [%.2f, %.2f];", start_names[p], s_sum[p] / s_n[p], s_lo[p], s_hi[p]);
+  std::printf("\n");
   const int grid_splits = k.work > 0 ? k.work : k.splits;
   const int ctas = int(std::min<int64_t>(int64_t(grid_splits) * ((k.heads + kTileRows - 1) / kTileRows) * k.batch, kStampedCtas));
   const char* names[kPhasePoints - 1] = {"lookups", "prologue", "first tile", "loop", "rows staged", "out"};

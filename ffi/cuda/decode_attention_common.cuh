@@ -28,6 +28,11 @@ namespace {
 #define JKM_PHASE_AT(point)
 #define JKM_TILE_AT(tile)
 #endif
+// rs_attention_kernel's producer (its first thread) and the consumers' query, for the same probe:
+// 0 the producer's place and length known, 1-4 its positions 0-3 issued; 5 the query fetched.
+#ifndef JKM_START_AT
+#define JKM_START_AT(point)
+#endif
 
 
 

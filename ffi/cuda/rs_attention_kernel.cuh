@@ -450,6 +450,7 @@ __device__ void produce_rs_tiles(const DecodeAttention& a, const TileMaps& maps,
     if (t >= kRsStages) mbarrier_wait(empty + s, uint32_t(t / kRsStages - 1) & 1);
     else if (t >= kRsGroups) mbarrier_wait(full + s - kRsGroups, 0);  // the warpgroup's first tile landed
   };
+  JKM_START_AT(0);
   RsTile tile = tile_at(0);
   int64_t rows[2] = {-1, -1};
   if (tile.start >= 0) look_up(tile, rows);
@@ -479,6 +480,7 @@ __device__ void produce_rs_tiles(const DecodeAttention& a, const TileMaps& maps,
       if (lane == 0) masks[2 * s + thread / 32] = live;
       issue_raw_tile<CacheFormat::kFp8DsMla>(a, rows[0], stage, full + s, thread);
     }
+    if (t < 4) JKM_START_AT(1 + t);
     // The record opened once the stages are filled, so that its fence (which waits for this
     // thread's loads) is off the first tiles' path, and before this CTA's first claim
     // (tile_at(own - 1), at t = own - 2).
@@ -535,8 +537,10 @@ __device__ __forceinline__ void attend_rs(const DecodeAttention& a, const CtaPla
   fetch_q<ActType::kF16>(a, b, w.row0, q_fetched);
   if constexpr (kFp8) {
     rs_store_q_codes(q_fetched, q_tile);
+    JKM_START_AT(5);
   } else {
     q_row_max_bits(a, q_fetched, stats);
+    JKM_START_AT(5);
     named_barrier_sync(kRsConsumerBarrier, kThreads);
     if (tid < kTileRows) {  // the prescale 2^-k puts the row's largest latent value in [2^14, 2^15)
       const uint32_t e = exponent_of(__int_as_float(stats.q_max_bits[tid]));
