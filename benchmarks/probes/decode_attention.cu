@@ -9,7 +9,9 @@
 // timing a broken build. With -DJKM_PHASE_STAMPS the default kernel's CTAs stamp their phases
 // (JKM_PHASE_AT: entry, lookups, prologue, first tile, loop end, rows staged, exit) and the probe
 // prints where a call's time goes beyond its tiles' streaming: what a CTA spends before its first
-// tile and after its last, and how the CTAs start and end.
+// tile and after its last, and how the CTAs start and end; rs_attention_kernel's CTAs also stamp
+// their start (JKM_START_AT: the producer's place, its first four positions issued, the query
+// fetched), printed from the CTA's entry.
 //
 // Cases: the arguments, each format:B:context:H:splits[:work] (format bf16, fp8 or ds; with work,
 // splits by work of `work` a sequence on average, at most `splits`), or four default ones.
