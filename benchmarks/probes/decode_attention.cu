@@ -46,7 +46,7 @@ __device__ long long g_start_cycles[kStampedCtas][kStartPoints];  // JKM_START_A
 #define JKM_START_AT(point)                                                                       \
   do {                                                                                            \
     const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);         \
-    if (threadIdx.x == ((point) < 5 ? unsigned(kThreads) : 0u) && cta < kStampedCtas)            \
+    if (threadIdx.x == ((point) < 5 ? unsigned(kRsGroups * 128) : 0u) && cta < kStampedCtas)    \
       g_start_cycles[cta][point] = clock64();                                                     \
   } while (0)
 #define JKM_TILE_AT(tile)                                                                         \
@@ -139,33 +139,23 @@ void print_phases(const DecodeAttention& a, const Case& k, double tiles_per_cta)
   cudaMemcpyFromSymbol(ns, g_phase_ns, sizeof ns), cudaMemcpyFromSymbol(cycles, g_phase_cycles, sizeof cycles);
   cudaMemcpyFromSymbol(tiles, g_tile_cycles, sizeof tiles);
   cudaMemcpyFromSymbol(starts, g_start_cycles, sizeof starts);
-  // rs_attention_kernel's start, each point from the CTA's entry (JKM_START_AT, and the phases'
-  // ends), mean [min, max] over the CTAs that stamped it.
-  const char* start_names[kStartPoints + 3] = {"producer's place", "position 0 issued", "1 issued", "2 issued",
-                                               "3 issued", "query fetched", "lookups", "prologue", "first tile"};
-  double s_sum[kStartPoints + 3] = {}, s_lo[kStartPoints + 3], s_hi[kStartPoints + 3] = {};
-  int s_n[kStartPoints + 3] = {};
-  std::fill(s_lo, s_lo + kStartPoints + 3, 1e30);
-  const int start_ctas = int(std::min<int64_t>(int64_t(k.work > 0 ? k.work : k.splits) * ((k.heads + kTileRows - 1) / kTileRows) * k.batch, kStampedCtas));
-  for (int c = 0; c < start_ctas; ++c) {
-    if (ns[c][6] == 0 || ns[c][3] == 0) continue;
-    const double rate = double(cycles[c][6] - cycles[c][0]) / double(ns[c][6] - ns[c][0]);
-    for (int p = 0; p < kStartPoints + 3; ++p) {
-      const long long at = p < kStartPoints ? starts[c][p] : cycles[c][p - kStartPoints + 1];
-      if (at == 0) continue;
-      const double us = (at - cycles[c][0]) / rate * 1e-3;
-      s_sum[p] += us, s_lo[p] = std::min(s_lo[p], us), s_hi[p] = std::max(s_hi[p], us), ++s_n[p];
+  // Mean [min, max] over the stamped CTAs: the phases' lengths, and rs_attention_kernel's start
+  // (JKM_START_AT, then the phases' ends) as times from the CTA's entry.
+  struct Spread {
+    double sum = 0, lo = 1e30, hi = 0;
+    int n = 0;
+    void add(double us) { sum += us, lo = std::min(lo, us), hi = std::max(hi, us), ++n; }
+    void print(const char* name) const {
+      if (n > 0) std::printf(" %s %.2f [%.2f, %.2f];", name, sum / n, lo, hi);
     }
-  }
-  std::printf("  start, us from entry:");
-  for (int p = 0; p < kStartPoints + 3; ++p)
-    if (s_n[p] > 0) std::printf(" %s %.2f [%.2f, %.2f];", start_names[p], s_sum[p] / s_n[p], s_lo[p], s_hi[p]);
-  std::printf("\n");
+  };
+  constexpr int kStartRows = kStartPoints + 3;
+  const char* start_names[kStartRows] = {"producer's place", "position 0 issued", "1 issued", "2 issued",
+                                         "3 issued", "query fetched", "lookups", "prologue", "first tile"};
+  const char* names[kPhasePoints - 1] = {"lookups", "prologue", "first tile", "loop", "rows staged", "out"};
+  Spread start[kStartRows], phase[kPhasePoints - 1];
   const int grid_splits = k.work > 0 ? k.work : k.splits;
   const int ctas = int(std::min<int64_t>(int64_t(grid_splits) * ((k.heads + kTileRows - 1) / kTileRows) * k.batch, kStampedCtas));
-  const char* names[kPhasePoints - 1] = {"lookups", "prologue", "first tile", "loop", "rows staged", "out"};
-  double sum[kPhasePoints - 1] = {}, lo[kPhasePoints - 1], hi[kPhasePoints - 1] = {};
-  std::fill(lo, lo + (kPhasePoints - 1), 1e30);
   unsigned long long first_in = ~0ull, last_in = 0, first_out = ~0ull, last_out = 0;
   int n = 0;
   double rate0 = 0;
@@ -173,20 +163,24 @@ void print_phases(const DecodeAttention& a, const Case& k, double tiles_per_cta)
     if (ns[c][6] == 0 || ns[c][3] == 0) continue;  // not stamped, or no tile (a split past the length)
     const double rate = double(cycles[c][6] - cycles[c][0]) / double(ns[c][6] - ns[c][0]);  // cycles a ns
     if (c == 0) rate0 = rate;
-    for (int p = 0; p + 1 < kPhasePoints; ++p) {
-      const double us = (cycles[c][p + 1] - cycles[c][p]) / rate * 1e-3;
-      sum[p] += us, lo[p] = std::min(lo[p], us), hi[p] = std::max(hi[p], us);
+    for (int p = 0; p + 1 < kPhasePoints; ++p) phase[p].add((cycles[c][p + 1] - cycles[c][p]) / rate * 1e-3);
+    for (int p = 0; p < kStartRows; ++p) {
+      const long long at = p < kStartPoints ? starts[c][p] : cycles[c][p - kStartPoints + 1];
+      if (at != 0) start[p].add((at - cycles[c][0]) / rate * 1e-3);
     }
     first_in = std::min(first_in, ns[c][0]), last_in = std::max(last_in, ns[c][0]);
     first_out = std::min(first_out, ns[c][6]), last_out = std::max(last_out, ns[c][6]);
     ++n;
   }
+  std::printf("  start, us from entry:");
+  for (int p = 0; p < kStartRows; ++p) start[p].print(start_names[p]);
+  std::printf("\n");
   if (n == 0) return;
   std::printf("  phases of %d CTAs (us, mean [min, max]):", n);
-  for (int p = 0; p + 1 < kPhasePoints; ++p) std::printf(" %s %.2f [%.2f, %.2f];", names[p], sum[p] / n, lo[p], hi[p]);
+  for (int p = 0; p + 1 < kPhasePoints; ++p) phase[p].print(names[p]);
   std::printf("\n  span %.2f us: CTAs start over %.2f us, end over %.2f us; loop %.3f us a tile (mean)\n",
               (last_out - first_in) * 1e-3, (last_in - first_in) * 1e-3, (last_out - first_out) * 1e-3,
-              sum[3] / n / std::max(1.0, tiles_per_cta - 1));
+              phase[3].sum / n / std::max(1.0, tiles_per_cta - 1));
   if (rate0 > 0) {
     const int m = int(std::min<double>(tiles_per_cta, kStampedTiles));
     std::printf("  CTA 0's tiles landed (us from its entry):");
